@@ -1,0 +1,81 @@
+"""twiceshy: side-effecting tool calls of AI agents, safe to retry.
+
+An intent (run scope + tool + canonical arguments) gets one key; the key is claimed atomically
+in a ledger before the work runs; every retry of the intent gets the first outcome, or an honest
+error where nobody can know it.
+
+    >>> import twiceshy
+    >>> ledger = twiceshy.Ledger("memory://")
+    >>> @ledger.tool(effect=twiceshy.KEYED)
+    ... def charge(amount: int, customer: str) -> str:
+    ...     return f"charged {amount} to {customer} under {twiceshy.current_key()[:8]}"
+    >>> with twiceshy.run("run-42"):
+    ...     charge(4900, "cus_1") == charge(4900, customer="cus_1")
+    True
+"""
+
+from ._canonical import canonical_json, idempotency_key
+from ._ledger import Ledger
+from ._protocol import DidNotHappen, Happened, exponential_backoff
+from ._records import Change, Effect, Record, Snapshot, State
+from ._scope import current_key, current_scope, run
+from .errors import (
+    FencedOut,
+    InProgress,
+    KeyReuseMismatch,
+    MissingScope,
+    NotApplied,
+    OutcomeUnknown,
+    ReplayedError,
+    ResultNotStorable,
+    StoreError,
+    StoreUnavailable,
+    TwiceshyError,
+    UnkeyableArgument,
+    UnkeyableType,
+    UnkeyableValue,
+)
+
+SAFE = Effect.SAFE
+"""Safe to retry: reads, searches, computations."""
+KEYED = Effect.KEYED
+"""Safe with a key: the provider deduplicates by the key twiceshy hands the tool."""
+UNSAFE = Effect.UNSAFE
+"""Never retry blindly: one attempt, then an honest error."""
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "KEYED",
+    "SAFE",
+    "UNSAFE",
+    "Change",
+    "DidNotHappen",
+    "Effect",
+    "FencedOut",
+    "Happened",
+    "InProgress",
+    "KeyReuseMismatch",
+    "Ledger",
+    "MissingScope",
+    "NotApplied",
+    "OutcomeUnknown",
+    "Record",
+    "ReplayedError",
+    "ResultNotStorable",
+    "Snapshot",
+    "State",
+    "StoreError",
+    "StoreUnavailable",
+    "TwiceshyError",
+    "UnkeyableArgument",
+    "UnkeyableType",
+    "UnkeyableValue",
+    "__version__",
+    "canonical_json",
+    "current_key",
+    "current_scope",
+    "exponential_backoff",
+    "idempotency_key",
+    "run",
+]

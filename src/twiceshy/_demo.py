@@ -1,0 +1,522 @@
+"""``twiceshy demo``: the double charge this library exists for, re-enacted on this machine.
+
+A payment provider double listens on 127.0.0.1. It commits every charge at once but answers the
+first request of each act only after the client's read timeout has passed, so the agent sees a
+timeout for a charge that went through. Three acts run the same story:
+
+1. a plain retry loop: the retry charges the customer a second time;
+2. a ``KEYED`` tool: every attempt sends the same idempotency key, the provider deduplicates, and
+   every later call gets the first charge;
+3. an ``UNSAFE`` tool (a provider that cannot deduplicate): the caller gets ``OutcomeUnknown``,
+   and nothing runs the charge again.
+
+:func:`run_demo` returns the numbers as a :class:`DemoResult`; with a console it also prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socketserver
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Final
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from rich import box
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+import twiceshy
+
+__all__ = ["Act", "Call", "DemoResult", "print_report", "run_demo"]
+
+CLIENT_TIMEOUT: Final = 0.3
+"""The client's read timeout, in seconds."""
+
+LATE_BY: Final = 0.3
+"""How long after the client's timeout the provider answers the first request of an act."""
+
+AMOUNT: Final = 4900
+"""The charge, in cents."""
+
+Tool = Callable[[int, str], str]
+
+
+class ProviderError(Exception):
+    """The provider refused the request: it certainly made no charge."""
+
+
+# -- the payment provider double ------------------------------------------------------------------
+
+
+class _Provider:
+    """The provider's books: charges, idempotency keys seen, and POSTs counted per customer."""
+
+    def __init__(self, *, late: float) -> None:
+        self._lock = threading.Lock()
+        self._late = late
+        self._charges: dict[str, list[str]] = {}
+        self._keys: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        self._requests: Counter[str] = Counter()
+
+    def create(self, body: bytes, key: str | None) -> tuple[int, dict[str, Any], float]:
+        """Handle ``POST /v1/charges``: the status, the answer and how long to hold it back."""
+        try:
+            fields = json.loads(body)
+            amount, customer = int(fields["amount"]), str(fields["customer"])
+        except (ValueError, KeyError, TypeError):
+            return 400, {"error": "expected a JSON body with amount and customer"}, 0.0
+        with self._lock:
+            first = self._requests[customer] == 0
+            self._requests[customer] += 1
+            if key is not None and key in self._keys:
+                seen, charge = self._keys[key]
+                if seen != body:
+                    return 400, {"error": "idempotency key reused with another body"}, 0.0
+                return 200, charge, 0.0
+            charge = {"id": f"ch_{secrets.token_hex(4)}", "amount": amount, "customer": customer}
+            self._charges.setdefault(customer, []).append(charge["id"])
+            if key is not None:
+                self._keys[key] = (body, charge)
+        # The charge is committed; only the answer is late.
+        return 200, charge, self._late if first else 0.0
+
+    def listing(self, customer: str) -> dict[str, Any]:
+        """Handle ``GET /v1/charges?customer=``: the customer's charges and POSTs."""
+        with self._lock:
+            return {
+                "data": list(self._charges.get(customer, [])),
+                "requests": self._requests[customer],
+            }
+
+
+class _Server(ThreadingHTTPServer):
+    """The provider's HTTP server; closing it waits for every request still being answered."""
+
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, provider: _Provider) -> None:
+        self.provider = provider
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks the host name up (getfqdn); a local demo needs no DNS.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = "127.0.0.1"
+        self.server_port = self.socket.getsockname()[1]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_POST(self) -> None:
+        if urlsplit(self.path).path != "/v1/charges":
+            self._answer(404, {"error": "not found"})
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, answer, delay = self.server.provider.create(
+            body, self.headers.get("Idempotency-Key")
+        )
+        if delay:
+            time.sleep(delay)
+        self._answer(status, answer)
+
+    def do_GET(self) -> None:
+        parts = urlsplit(self.path)
+        customer = parse_qs(parts.query).get("customer", [""])[0]
+        if parts.path != "/v1/charges" or not customer:
+            self._answer(404, {"error": "not found"})
+            return
+        self._answer(200, self.server.provider.listing(customer))
+
+    def _answer(self, status: int, answer: dict[str, Any]) -> None:
+        data = json.dumps(answer).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            # The client gave up waiting: the incident being re-enacted.
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Keep the demo's output clean."""
+
+
+@contextmanager
+def _provider_running() -> Iterator[_Client]:
+    """Serve a fresh provider in a thread; shut it down and join it afterwards."""
+    server = _Server(_Provider(late=CLIENT_TIMEOUT + LATE_BY))
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.05},
+        name="twiceshy-demo-provider",
+    )
+    thread.start()
+    try:
+        yield _Client(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class _Client:
+    """The agent's HTTP client for the provider: ``urllib`` with a short read timeout."""
+
+    def __init__(self, base_url: str) -> None:
+        self._base = base_url
+        # No proxies: the provider is on this machine, whatever the environment says.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def create_charge(self, amount: int, customer: str, *, key: str | None = None) -> str:
+        """Create a charge; the id of the charge.
+
+        Raises:
+            TimeoutError: the answer did not come in time (the charge may have been made).
+            urllib.error.URLError: the provider could not be reached, or timed out while
+                connecting.
+            ProviderError: the provider refused the request.
+        """
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        request = urllib.request.Request(
+            f"{self._base}/v1/charges",
+            data=json.dumps({"amount": amount, "customer": customer}).encode(),
+            headers=headers,
+            method="POST",
+        )
+        try:
+            with self._opener.open(request, timeout=CLIENT_TIMEOUT) as response:
+                charge = json.load(response)
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise ProviderError(f"HTTP {exc.code}: {exc.read().decode()}") from None
+        return str(charge["id"])
+
+    def books(self, customer: str) -> tuple[list[str], int]:
+        """The provider's charges for a customer, and how many POSTs it received."""
+        url = f"{self._base}/v1/charges?{urlencode({'customer': customer})}"
+        with self._opener.open(url, timeout=5.0) as response:
+            listing = json.load(response)
+        return [str(c) for c in listing["data"]], int(listing["requests"])
+
+
+# -- the results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One call the agent made, and what it got.
+
+    Attributes:
+        charge_id: the charge id the call returned, or ``None`` when it raised.
+        error: the type name of what it raised, or ``None``.
+        message: ``str()`` of what it raised, or ``""``.
+        reached_provider: whether the provider received a request during the call.
+        created: the charges the provider made during the call.
+    """
+
+    charge_id: str | None
+    error: str | None
+    message: str
+    reached_provider: bool
+    created: tuple[str, ...]
+
+    def describe(self) -> Text:
+        """One line for the report."""
+        if self.error is not None:
+            got = "timeout" if self.error in ("TimeoutError", "URLError") else self.error
+            if self.created:
+                note = f" (charged {', '.join(self.created)})"
+            elif self.reached_provider:
+                note = " (no new charge)"
+            else:
+                note = ", provider not called"
+            return Text.assemble((got, "yellow"), note)
+        if self.created:
+            return Text.assemble((str(self.charge_id), "bold"), ", a new charge")
+        if self.reached_provider:
+            return Text.assemble((str(self.charge_id), "bold"), ", deduplicated by key")
+        return Text.assemble((str(self.charge_id), "bold"), ", replayed from ledger")
+
+
+@dataclass(frozen=True, slots=True)
+class Act:
+    """One act of the demo.
+
+    Attributes:
+        title: what protects the charge.
+        subtitle: how.
+        calls: the calls the agent made, in order.
+        charges: the charges the provider holds for the act's customer, in order.
+        requests: how many charge requests reached the provider.
+        expected: how many charges the act should end with.
+    """
+
+    title: str
+    subtitle: str
+    calls: tuple[Call, ...]
+    charges: tuple[str, ...]
+    requests: int
+    expected: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether the provider holds the expected number of charges."""
+        return len(self.charges) == self.expected
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """What the demo found.
+
+    Attributes:
+        plain: act 1, the plain retry loop.
+        keyed: act 2, the ``KEYED`` tool.
+        unsafe: act 3, the ``UNSAFE`` tool.
+        message: what the model reads in act 3: ``str()`` of the ``OutcomeUnknown``.
+        ledger_url: the ledger the acts used.
+        scope: the run scope of this demo run.
+        seconds: how long the acts took.
+    """
+
+    plain: Act
+    keyed: Act
+    unsafe: Act
+    message: str
+    ledger_url: str
+    scope: str
+    seconds: float
+
+    @property
+    def acts(self) -> tuple[Act, Act, Act]:
+        """The three acts, in order."""
+        return self.plain, self.keyed, self.unsafe
+
+    @property
+    def ok(self) -> bool:
+        """Whether the story came out as told: 2, 1 and 1 charges, one id, an honest error."""
+        keyed_ids = {c.charge_id for c in self.keyed.calls if c.charge_id is not None}
+        return (
+            all(act.ok for act in self.acts)
+            and keyed_ids == set(self.keyed.charges)
+            and all(c.error == "OutcomeUnknown" for c in self.unsafe.calls)
+            and bool(self.message)
+        )
+
+
+# -- the acts -------------------------------------------------------------------------------------
+
+
+def _call(tool: Tool, customer: str, client: _Client) -> tuple[Call, BaseException | None]:
+    """Make one call as the agent, watching the provider's books around it."""
+    charges_before, requests_before = client.books(customer)
+    charge_id: str | None = None
+    error: Exception | None = None
+    try:
+        charge_id = tool(AMOUNT, customer)
+    except Exception as exc:  # whatever the agent would see
+        error = exc
+    charges_after, requests_after = client.books(customer)
+    call = Call(
+        charge_id=charge_id,
+        error=None if error is None else type(error).__name__,
+        message="" if error is None else str(error),
+        reached_provider=requests_after > requests_before,
+        created=tuple(c for c in charges_after if c not in charges_before),
+    )
+    return call, error
+
+
+def _act(
+    title: str,
+    subtitle: str,
+    tool: Tool,
+    customer: str,
+    client: _Client,
+    *,
+    expected: int,
+    again: bool = False,
+) -> tuple[Act, list[BaseException]]:
+    """The agent calls the tool, retries once on an error (as frameworks do), maybe calls again."""
+    calls: list[Call] = []
+    errors: list[BaseException] = []
+    for _ in range(2):
+        call, error = _call(tool, customer, client)
+        calls.append(call)
+        if error is None:
+            break
+        errors.append(error)
+    if again:
+        # Later, the model calls the tool once more: it saw the timeout in its history.
+        call, error = _call(tool, customer, client)
+        calls.append(call)
+        if error is not None:
+            errors.append(error)
+    charges, requests = client.books(customer)
+    act = Act(title, subtitle, tuple(calls), tuple(charges), requests, expected)
+    return act, errors
+
+
+def _acts(ledger: twiceshy.Ledger, scope: str, client: _Client) -> tuple[Act, Act, Act, str]:
+    def plain_charge(amount: int, customer: str) -> str:
+        return client.create_charge(amount, customer)
+
+    # attempts=1 lets the timeout reach the caller, so the retry is visibly the caller's own.
+    @ledger.tool(effect=twiceshy.KEYED, attempts=1, definite=[ProviderError])
+    def create_charge(amount: int, customer: str) -> str:
+        return client.create_charge(amount, customer, key=twiceshy.current_key())
+
+    # A provider that cannot deduplicate: no key is sent, and the tool says so.
+    @ledger.tool(effect=twiceshy.UNSAFE, definite=[ProviderError])
+    def create_charge_unkeyed(amount: int, customer: str) -> str:
+        return client.create_charge(amount, customer)
+
+    plain, _ = _act(
+        "plain retry loop",
+        "retries, no key",
+        plain_charge,
+        "cus_act1_plain",
+        client,
+        expected=2,
+    )
+    with twiceshy.run(scope):
+        keyed, _ = _act(
+            "twiceshy, KEYED",
+            "same key each try",
+            create_charge,
+            "cus_act2_keyed",
+            client,
+            expected=1,
+            again=True,
+        )
+        unsafe, errors = _act(
+            "twiceshy, UNSAFE",
+            "cannot dedupe",
+            create_charge_unkeyed,
+            "cus_act3_unsafe",
+            client,
+            expected=1,
+        )
+    unknown = [e for e in errors if isinstance(e, twiceshy.OutcomeUnknown)]
+    return plain, keyed, unsafe, str(unknown[0]) if unknown else ""
+
+
+def run_demo(ledger_url: str | None = None, *, console: Console | None = None) -> DemoResult:
+    """Re-enact the double charge, and twiceshy preventing it.
+
+    Args:
+        ledger_url: the ledger to use; by default a fresh SQLite file in a temporary directory,
+            removed afterwards. Every run uses a scope of its own, so a persistent ledger can be
+            used again and again.
+        console: where to print the story; nothing is printed without one.
+
+    Returns:
+        The calls, charges and messages of the three acts.
+
+    Raises:
+        ValueError: the ledger URL names no known store.
+        twiceshy.StoreError: the ledger cannot be used.
+    """
+    scope = f"demo-run-{secrets.token_hex(6)}"
+    with ExitStack() as stack:
+        if ledger_url is None:
+            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="twiceshy-demo-"))
+            url = "sqlite:///" + f"{directory}/ledger.db"
+        else:
+            url = ledger_url
+        ledger = stack.enter_context(twiceshy.Ledger(url))
+        if console is not None:
+            _print_intro(console)
+            stack.enter_context(console.status("Re-enacting the incident...", spinner="dots"))
+        started = time.perf_counter()
+        client = stack.enter_context(_provider_running())
+        plain, keyed, unsafe, message = _acts(ledger, scope, client)
+    result = DemoResult(
+        plain=plain,
+        keyed=keyed,
+        unsafe=unsafe,
+        message=message,
+        ledger_url=url if ledger_url is not None else "a fresh SQLite file (temporary)",
+        scope=scope,
+        seconds=time.perf_counter() - started,
+    )
+    if console is not None:
+        print_report(result, console)
+    return result
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def _print_intro(console: Console) -> None:
+    console.print(
+        Text.assemble(
+            ("twiceshy demo", "bold"),
+            f": an agent charges a customer ${AMOUNT / 100:.2f}. The payment provider makes the "
+            f"charge, but answers after the client's {CLIENT_TIMEOUT} s read timeout: the first "
+            "call of every act times out, and the agent calls again.",
+        )
+    )
+
+
+def print_report(result: DemoResult, console: Console) -> None:
+    """Print the acts as a table, the message the model reads, and the verdict."""
+    table = Table(
+        title="One timeout, three ways",
+        title_style="bold",
+        box=box.ROUNDED,
+        header_style="bold",
+        show_lines=True,
+    )
+    table.add_column("act", width=17)
+    table.add_column("calls\nmade", justify="right")
+    table.add_column("charges\nat the\nprovider", justify="right")
+    table.add_column("what the caller / model got")
+    for act in result.acts:
+        charges = len(act.charges)
+        table.add_row(
+            Text.assemble((act.title, "bold"), "\n", (act.subtitle, "dim")),
+            str(len(act.calls)),
+            Text(str(charges), style="bold red" if charges != act.expected else "bold green"),
+            Text("\n").join(call.describe() for call in act.calls),
+        )
+    console.print()
+    console.print(table)
+    if result.message:
+        console.print(
+            Panel(
+                Text(result.message),
+                title="what the model reads after the UNSAFE act: str(OutcomeUnknown)",
+                title_align="left",
+                border_style="yellow",
+            )
+        )
+    counts = " / ".join(str(len(act.charges)) for act in result.acts)
+    if result.ok:
+        verdict = Text(f"Charges at the provider: {counts}, as expected.", style="bold green")
+    else:
+        verdict = Text(f"Charges at the provider: {counts}, NOT 2 / 1 / 1.", style="bold red")
+    console.print(verdict)
+    console.print(
+        f"ledger: {result.ledger_url}; scope: {result.scope}; {result.seconds:.1f} s",
+        style="dim",
+        markup=False,
+        highlight=False,
+    )

@@ -1,0 +1,196 @@
+"""Joining calls already running in this process, and renewing the leases of running calls."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._records import Change, State
+from .errors import StoreError
+from .stores import Store
+
+__all__ = ["Flight", "Flights", "Heartbeat", "Renewal"]
+
+log = logging.getLogger("twiceshy")
+
+
+class Flight:
+    """One execution of an intent in this process, which duplicates join (threads and tasks)."""
+
+    __slots__ = ("_done", "_error", "_lock", "_value", "_waiters", "fingerprint")
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def land(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome and wake every joined caller."""
+        with self._lock:
+            self._value, self._error = value, error
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the flight lands; ``False`` on timeout."""
+        return self._done.wait(max(timeout, 0.0))
+
+    async def wait_async(self, timeout: float) -> bool:
+        """Await the flight's landing; ``False`` on timeout."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if self._done.is_set():
+                return True
+            self._waiters.append((loop, future))
+        try:
+            await asyncio.wait_for(future, max(timeout, 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    def outcome(self) -> Any:
+        """The landed outcome: the value, or the error raised again."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Flights:
+    """The flights of one ledger, by namespace and key."""
+
+    __slots__ = ("_flights", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[tuple[str, str], Flight] = {}
+
+    def join(self, namespace: str, key: str, fingerprint: str) -> tuple[Flight, bool]:
+        """The flight of a key, and whether this caller leads it (runs the protocol)."""
+        with self._lock:
+            flight = self._flights.get((namespace, key))
+            if flight is not None:
+                return flight, False
+            flight = self._flights[(namespace, key)] = Flight(fingerprint)
+            return flight, True
+
+    def land(
+        self, namespace: str, key: str, flight: Flight, value: Any, error: BaseException | None
+    ) -> None:
+        """Finish a flight: later callers go to the ledger again."""
+        with self._lock:
+            if self._flights.get((namespace, key)) is flight:
+                del self._flights[(namespace, key)]
+        flight.land(value, error)
+
+
+@dataclass(eq=False, slots=True)
+class Renewal:
+    """The lease of one running call, renewed by the heartbeat until stopped."""
+
+    namespace: str
+    key: str
+    fence: int
+    owner: str
+    lease: float
+    due: float
+    renewed_at: float | None = None
+    lost: bool = False
+    stopped: bool = False
+    seq: int = field(default=0)
+
+
+class Heartbeat:
+    """One thread per ledger renewing the leases of running calls, started on first use.
+
+    A call whose work outlasts a third of its lease has its lease renewed on the store's clock, so
+    no other caller takes over while it still runs. A renewal refused by the store (a newer fence)
+    marks the call as fenced out; a store error is logged and retried at the next beat.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Renewal]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def start(self, namespace: str, key: str, fence: int, owner: str, lease: float) -> Renewal:
+        """Begin renewing a lease."""
+        job = Renewal(namespace, key, fence, owner, lease, time.monotonic() + lease / 3)
+        with self._cond:
+            job.seq = next(self._seq)
+            heapq.heappush(self._heap, (job.due, job.seq, job))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="twiceshy-heartbeat", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0][2] is job:
+                self._cond.notify()
+        return job
+
+    def stop(self, job: Renewal) -> None:
+        """Stop renewing a lease (the heap drops it lazily)."""
+        job.stopped = True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][2].stopped:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    # Idle: wait a while for work, then let the thread end.
+                    if not self._cond.wait(5.0) and not self._heap:
+                        self._thread = None
+                        return
+                    continue
+                due, _, job = self._heap[0]
+                left = due - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+            self._renew(job)
+            if not job.stopped and not job.lost:
+                with self._cond:
+                    job.due = time.monotonic() + job.lease / 3
+                    heapq.heappush(self._heap, (job.due, next(self._seq), job))
+
+    def _renew(self, job: Renewal) -> None:
+        sent = time.monotonic()
+        change = Change(
+            fence=job.fence,
+            from_states=frozenset({State.CLAIMED}),
+            to=State.CLAIMED,
+            owner=job.owner,
+            lease=job.lease,
+        )
+        try:
+            snap = self._store.write(job.namespace, job.key, change)
+        except StoreError:
+            log.warning("twiceshy: could not renew the lease of key %s", job.key, exc_info=True)
+            return
+        if snap.won:
+            job.renewed_at = sent
+        else:
+            job.lost = True
+            log.warning(
+                "twiceshy: the lease of key %s was taken over (fence %d)", job.key, job.fence
+            )

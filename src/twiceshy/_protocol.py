@@ -1,0 +1,448 @@
+"""The protocol of one protected call, with no I/O (DESIGN.md §3 to §5).
+
+Every decision twiceshy makes about a call lives here: when to claim, replay, wait, take over,
+reconcile or refuse, how to read a tool's exception, when to retry in place. The protocol is a
+generator that yields *commands* (claim, write, wait, run the tool, sleep, ...) and receives their
+answers; the sync and async drivers in ``_ledger.py`` only carry commands out.
+
+The transitions a record may take are data, in :data:`TRANSITIONS`; every write the protocol asks
+for is built by :func:`_change`, which refuses one the table does not allow.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+from ._codec import ResultCodec, decode_error, encode_error
+from ._records import Change, Effect, Record, Snapshot, State
+from .errors import (
+    InProgress,
+    KeyReuseMismatch,
+    NotApplied,
+    OutcomeUnknown,
+    ReplayedError,
+    ResultNotStorable,
+    StoreError,
+)
+
+__all__ = [
+    "TRANSITIONS",
+    "Actor",
+    "CallPlan",
+    "Claim",
+    "DidNotHappen",
+    "Happened",
+    "Now",
+    "Ran",
+    "Reconcile",
+    "Run",
+    "Sleep",
+    "Wait",
+    "Write",
+    "exponential_backoff",
+    "protect",
+    "retry_only",
+]
+
+
+class Actor(enum.Enum):
+    """Who may take a transition."""
+
+    CALLER = "any caller"
+    OWNER = "the owner of the fence"
+    RECONCILER = "a reconciler"
+
+
+_C, _S, _F, _R, _U = State.CLAIMED, State.SUCCEEDED, State.FAILED, State.RELEASED, State.UNKNOWN
+
+TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
+    # (from, to): who may write it. None is "no live record". Every guard includes the fence.
+    (None, _C): frozenset({Actor.CALLER}),  # the insert wins
+    (_C, _S): frozenset({Actor.OWNER}),
+    (_C, _F): frozenset({Actor.OWNER}),
+    (_C, _R): frozenset({Actor.OWNER}),
+    (_C, _U): frozenset({Actor.OWNER, Actor.CALLER}),  # caller: lease lapsed, UNSAFE only
+    (_C, _C): frozenset({Actor.OWNER, Actor.CALLER}),  # owner: heartbeat; caller: lapsed takeover
+    (_R, _C): frozenset({Actor.CALLER}),
+    (_U, _C): frozenset({Actor.CALLER}),  # KEYED only: the provider deduplicates by the key
+    (_U, _S): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: finishing late
+    (_U, _F): frozenset({Actor.RECONCILER, Actor.OWNER}),
+    (_U, _R): frozenset({Actor.RECONCILER}),
+}
+"""Every transition a record may take, and who may take it (DESIGN.md §3)."""
+
+MAX_STEPS: Final = 100
+"""A bound on the protocol's rounds that are not waits; reaching it is a store fault."""
+
+
+def _change(
+    actor: Actor, record: Record, to: State, *, also_from: frozenset[State] = frozenset(), **kw: Any
+) -> Change:
+    """A guarded write of ``record`` to ``to`` by ``actor``, checked against the table."""
+    sources = frozenset({record.state}) | also_from
+    for source in sources:
+        if actor not in TRANSITIONS.get((source, to), frozenset()):
+            raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
+    return Change(fence=record.fence, from_states=sources, to=to, **kw)
+
+
+# -- commands the protocol yields, and their answers -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Now:
+    """Answer the driver's monotonic clock (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Claim the key (answer: a :class:`Snapshot`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Apply a guarded write (answer: a :class:`Snapshot`)."""
+
+    change: Change
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait until the record leaves CLAIMED under ``fence``, at most ``timeout`` seconds."""
+
+    fence: int
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`)."""
+
+    fence: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """How one run of the tool ended.
+
+    Attributes:
+        value: what the tool returned.
+        error: what it raised (an ``Exception``), or ``None``.
+        renewed_at: the monotonic time a heartbeat last renewed the lease, if one did.
+    """
+
+    value: object = None
+    error: Exception | None = None
+    renewed_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Sleep ``seconds`` (between in-place retries)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reconcile:
+    """Ask the tool's reconciler what became of the intent.
+
+    Answer: :class:`Happened`, :class:`DidNotHappen`, or ``None`` (it cannot tell).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Happened:
+    """A reconciler's answer: the intent took effect, and this is its result."""
+
+    result: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class DidNotHappen:
+    """A reconciler's answer: the intent certainly did not take effect."""
+
+
+Command: TypeAlias = Now | Claim | Write | Wait | Run | Sleep | Reconcile
+Protocol: TypeAlias = Generator[Command, Any, Any]
+
+
+def exponential_backoff(
+    initial: float = 0.1, maximum: float = 2.0, *, jitter: bool = True
+) -> Callable[[int], float]:
+    """A backoff strategy: ``initial * 2**(n-1)`` seconds after the n-th attempt, capped.
+
+    With ``jitter``, the delay is drawn uniformly from ``[0, that]`` (full jitter), so many
+    retrying callers do not arrive together.
+    """
+
+    def delay(attempt: int) -> float:
+        ceiling = min(maximum, initial * 2 ** max(attempt - 1, 0))
+        return random.uniform(0, ceiling) if jitter else ceiling
+
+    return delay
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """Everything the protocol needs to know about one call."""
+
+    namespace: str
+    key: str
+    fingerprint: str
+    tool: str
+    effect: Effect
+    owner: str
+    lease: float
+    wait: float
+    ttl: float | None
+    attempts: int
+    backoff: Callable[[int], float]
+    definite: tuple[type[BaseException], ...]
+    not_applied: tuple[type[BaseException], ...]
+    codec: ResultCodec
+    reconcile: bool
+
+
+class _Kind(enum.Enum):
+    NOT_APPLIED = "not applied"
+    DEFINITE = "definite"
+    AMBIGUOUS = "ambiguous"
+
+
+def _classify(plan: CallPlan, error: BaseException) -> _Kind:
+    if isinstance(error, NotApplied) or (plan.not_applied and isinstance(error, plan.not_applied)):
+        return _Kind.NOT_APPLIED
+    if plan.definite and isinstance(error, plan.definite):
+        return _Kind.DEFINITE
+    return _Kind.AMBIGUOUS
+
+
+def _replay_error(plan: CallPlan, text: str | None) -> BaseException:
+    """The recorded failure as an exception: its own type where it can be rebuilt."""
+    type_name, message = decode_error(text)
+    for kind in plan.definite:
+        if f"{kind.__module__}.{kind.__qualname__}" == type_name:
+            try:
+                return kind(message)
+            except Exception:
+                break
+    return ReplayedError(type_name, message)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def protect(plan: CallPlan) -> Protocol:
+    """The protocol of one protected call; returns the result or raises the outcome's error."""
+    started = yield Now()
+    wait_until = started + plan.wait
+    snap: Snapshot = yield Claim()
+    reconciled = False
+    for _ in range(MAX_STEPS):
+        record = snap.record
+        if record is None:
+            # The record expired between two commands: claim afresh.
+            snap = yield Claim()
+            continue
+        if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
+            done, value, snap = yield from _own(plan, record)
+            if done:
+                return value
+            continue
+        if record.fingerprint != plan.fingerprint:
+            raise KeyReuseMismatch(
+                f"the key {plan.key} already names a call of {record.tool!r} with other "
+                "arguments; this call did not run"
+            )
+        state = record.state
+        if state is State.SUCCEEDED:
+            assert record.result is not None
+            return plan.codec.decode(record.result)
+        if state is State.FAILED:
+            raise _replay_error(plan, record.error)
+        if state is State.RELEASED:
+            snap = yield Write(
+                _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.lease)
+            )
+            continue
+        if state is State.CLAIMED:
+            lapsed = record.lease_deadline is not None and record.lease_deadline <= snap.now
+            if lapsed and plan.effect is Effect.UNSAFE:
+                reason = "the call's owner stopped without recording an outcome"
+                snap = yield Write(
+                    _change(Actor.CALLER, record, _U, lapsed=True, reason=reason, error=None)
+                )
+                continue
+            if lapsed:
+                snap = yield Write(
+                    _change(
+                        Actor.CALLER,
+                        record,
+                        _C,
+                        lapsed=True,
+                        new_owner=plan.owner,
+                        lease=plan.lease,
+                    )
+                )
+                continue
+            now = yield Now()
+            left = wait_until - now
+            if left <= 0:
+                raise InProgress(plan.tool, plan.key)
+            until_lapse = (record.lease_deadline or snap.now) - snap.now
+            snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
+            continue
+        # UNKNOWN
+        if plan.reconcile and not reconciled:
+            reconciled = True
+            answer = yield Reconcile()
+            if isinstance(answer, Happened):
+                text = plan.codec.encode(answer.result)
+                snap = yield Write(_change(Actor.RECONCILER, record, _S, result=text, ttl=plan.ttl))
+                continue
+            if isinstance(answer, DidNotHappen):
+                snap = yield Write(_change(Actor.RECONCILER, record, _R, ttl=plan.ttl))
+                continue
+        if plan.effect is Effect.UNSAFE:
+            raise OutcomeUnknown(plan.tool, plan.key, record.reason or "")
+        snap = yield Write(
+            _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.lease)
+        )
+    raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
+
+
+def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, Any, Snapshot]]:
+    """Run the work as the owner of ``record.fence``; record its outcome.
+
+    Returns ``(True, value, snap)`` when this call's own outcome stands, or ``(False, None, snap)``
+    when a write was fenced out: the caller then follows the record's real outcome in ``snap``.
+    """
+    finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
+    attempt = 1
+    while True:
+        ran: Ran = yield Run(record.fence, attempt)
+        error = ran.error
+        if error is None:
+            try:
+                text = plan.codec.encode(ran.value)
+            except ResultNotStorable as exc:
+                snap = yield Write(
+                    _change(
+                        Actor.OWNER,
+                        record,
+                        _F,
+                        also_from=finish_from,
+                        owner=plan.owner,
+                        error=encode_error(exc),
+                        ttl=plan.ttl,
+                    )
+                )
+                if snap.won:
+                    raise exc
+                return False, None, snap
+            snap = yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _S,
+                    also_from=finish_from,
+                    owner=plan.owner,
+                    result=text,
+                    ttl=plan.ttl,
+                )
+            )
+            return (True, ran.value, snap) if snap.won else (False, None, snap)
+        kind = _classify(plan, error)
+        if kind is _Kind.NOT_APPLIED:
+            snap = yield Write(_change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.ttl))
+            if snap.won:
+                raise error
+            return False, None, snap
+        if kind is _Kind.DEFINITE:
+            snap = yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _F,
+                    also_from=finish_from,
+                    owner=plan.owner,
+                    error=encode_error(error),
+                    ttl=plan.ttl,
+                )
+            )
+            if snap.won:
+                raise error
+            return False, None, snap
+        # Ambiguous: the work may have taken effect.
+        if plan.effect is Effect.UNSAFE:
+            snap = yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _U,
+                    owner=plan.owner,
+                    reason=_describe(error),
+                    error=encode_error(error),
+                )
+            )
+            if snap.won:
+                raise OutcomeUnknown(plan.tool, plan.key, _describe(error)) from error
+            return False, None, snap
+        if attempt < plan.attempts:
+            yield Sleep(plan.backoff(attempt))
+            # Count the attempt in the record and renew the lease before running again: the
+            # write also proves this caller still owns the fence.
+            snap = yield Write(
+                _change(
+                    Actor.OWNER, record, _C, owner=plan.owner, lease=plan.lease, count_attempt=True
+                )
+            )
+            if not snap.won:
+                return False, None, snap
+            assert snap.record is not None
+            record = snap.record
+            attempt += 1
+            continue
+        if plan.effect is Effect.KEYED:
+            # Attempts ran out: the next call runs it again with the same key.
+            snap = yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _U,
+                    owner=plan.owner,
+                    reason=_describe(error),
+                    error=encode_error(error),
+                )
+            )
+        else:
+            snap = yield Write(_change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.ttl))
+        if snap.won:
+            raise error
+        return False, None, snap
+
+
+def retry_only(
+    attempts: int,
+    backoff: Callable[[int], float],
+    definite: tuple[type[BaseException], ...],
+) -> Protocol:
+    """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors."""
+    attempt = 1
+    while True:
+        ran: Ran = yield Run(0, attempt)
+        if ran.error is None:
+            return ran.value
+        error = ran.error
+        permanent = isinstance(error, NotApplied) or (definite and isinstance(error, definite))
+        if permanent or attempt >= attempts:
+            raise error
+        yield Sleep(backoff(attempt))
+        attempt += 1

@@ -1,0 +1,201 @@
+"""Records, states and effect classes: the values the protocol and the stores exchange."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "FINAL_STATES",
+    "Change",
+    "Effect",
+    "Record",
+    "Snapshot",
+    "State",
+    "apply_change",
+    "guard_holds",
+    "is_live",
+    "new_claim",
+]
+
+
+class Effect(enum.Enum):
+    """What a tool declares about itself (DESIGN.md §4)."""
+
+    #: Safe to retry: reads, searches, computations. Not kept in the ledger unless asked.
+    SAFE = "safe"
+    #: Safe with a key: the provider deduplicates by the idempotency key twiceshy hands the tool.
+    KEYED = "keyed"
+    #: Never retry blindly: one attempt, then an honest error.
+    UNSAFE = "unsafe"
+
+
+class State(enum.Enum):
+    """The state of one key's record (DESIGN.md §3)."""
+
+    #: An owner is running the work under a lease.
+    CLAIMED = "claimed"
+    #: The work ran; its result is stored and replayed.
+    SUCCEEDED = "succeeded"
+    #: The work ran and failed for certain; the error is stored and replayed.
+    FAILED = "failed"
+    #: The work certainly did not take effect; the next call claims the key again.
+    RELEASED = "released"
+    #: The work may or may not have taken effect.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One key's row in the ledger.
+
+    Times are seconds since the epoch on the store's clock.
+    """
+
+    namespace: str
+    key: str
+    fingerprint: str
+    tool: str
+    effect: Effect
+    state: State
+    fence: int
+    owner: str
+    lease_deadline: float | None
+    attempts: int
+    result: str | None
+    error: str | None
+    reason: str | None
+    created_at: float
+    updated_at: float
+    expires_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a store answers to every command: the record as it now is.
+
+    Attributes:
+        record: the record after the command, or ``None`` when there is none.
+        now: the store's clock when it answered (seconds since the epoch).
+        won: whether the command's write took effect (a claim won, a guarded write applied).
+    """
+
+    record: Record | None
+    now: float
+    won: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One guarded write to an existing record: a compare-and-set on fence and state.
+
+    The store applies it only when the record's fence equals ``fence``, its state is one of
+    ``from_states``, its owner equals ``owner`` (when given), and, with ``lapsed``, its lease
+    deadline has passed on the store's clock. Otherwise it changes nothing and answers the record
+    as it is, with ``won=False``.
+
+    Attributes:
+        fence: the fence the writer believes current.
+        from_states: the states the write may start from.
+        to: the state to write.
+        owner: when given, the record's owner token must equal it.
+        lapsed: the record's lease must have lapsed on the store's clock.
+        new_owner: when given, a new authorised attempt: the fence goes up by one, the owner
+            becomes ``new_owner`` and ``attempts`` goes up by one.
+        lease: when given, the new lease deadline is the store's now plus this many seconds;
+            a write to any state but CLAIMED clears the lease.
+        count_attempt: add one to ``attempts`` (an in-place retry under the same fence).
+        result: the JSON text of the result (SUCCEEDED).
+        error: the JSON text of the error (FAILED, UNKNOWN).
+        reason: why the outcome is unknown (UNKNOWN).
+        ttl: for a final state, how long the record is kept (seconds); ``None`` keeps it forever.
+    """
+
+    fence: int
+    from_states: frozenset[State]
+    to: State
+    owner: str | None = None
+    lapsed: bool = False
+    new_owner: str | None = None
+    lease: float | None = None
+    count_attempt: bool = False
+    result: str | None = None
+    error: str | None = None
+    reason: str | None = None
+    ttl: float | None = None
+
+
+FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.RELEASED})
+"""States whose records expire after their retention; CLAIMED and UNKNOWN never expire."""
+
+
+def is_live(record: Record, now: float) -> bool:
+    """Whether a record still counts: not past its retention on the store's clock."""
+    return record.expires_at is None or record.expires_at > now
+
+
+def new_claim(
+    namespace: str,
+    key: str,
+    *,
+    fingerprint: str,
+    tool: str,
+    effect: Effect,
+    owner: str,
+    lease: float,
+    now: float,
+    fence: int = 1,
+) -> Record:
+    """The record a winning claim inserts (reference semantics for stores)."""
+    return Record(
+        namespace=namespace,
+        key=key,
+        fingerprint=fingerprint,
+        tool=tool,
+        effect=effect,
+        state=State.CLAIMED,
+        fence=fence,
+        owner=owner,
+        lease_deadline=now + lease,
+        attempts=1,
+        result=None,
+        error=None,
+        reason=None,
+        created_at=now,
+        updated_at=now,
+        expires_at=None,
+    )
+
+
+def guard_holds(record: Record, change: Change, now: float) -> bool:
+    """Whether ``change`` may be applied to ``record`` at store time ``now``."""
+    if record.fence != change.fence or record.state not in change.from_states:
+        return False
+    if change.owner is not None and record.owner != change.owner:
+        return False
+    if change.lapsed:
+        return record.lease_deadline is not None and record.lease_deadline <= now
+    return True
+
+
+def apply_change(record: Record, change: Change, now: float) -> Record:
+    """The record after ``change`` (reference semantics for stores); guards are not checked."""
+    from dataclasses import replace
+
+    bump = change.new_owner is not None
+    to = change.to
+    return replace(
+        record,
+        state=to,
+        fence=record.fence + 1 if bump else record.fence,
+        owner=change.new_owner if change.new_owner is not None else record.owner,
+        lease_deadline=(now + change.lease if change.lease is not None else record.lease_deadline)
+        if to is State.CLAIMED
+        else None,
+        attempts=record.attempts + (1 if bump or change.count_attempt else 0),
+        result=change.result if to is State.SUCCEEDED else None,
+        error=change.error if to in (State.FAILED, State.UNKNOWN) else None,
+        reason=change.reason if to is State.UNKNOWN else None,
+        updated_at=now,
+        expires_at=now + change.ttl if to in FINAL_STATES and change.ttl is not None else None,
+    )

@@ -1,0 +1,231 @@
+"""Where keys are claimed and outcomes kept.
+
+A store is anything that implements :class:`Store` (blocking) and, for async tools,
+:class:`AsyncStore`; nobody must inherit from a class of ours. Every store passes one contract
+test suite (``tests/test_store_contract.py``). Stores are chosen by URL with :func:`open_store`.
+
+The contract, in short:
+
+- :meth:`Store.claim` is one atomic conditional write: it inserts a CLAIMED record with fence 1
+  when the key has no live record (none, or an expired outcome), and otherwise changes nothing and
+  answers the record as it is. Claiming again with the same owner token answers ``won=True`` for
+  the record that token already owns (a retry after a lost connection recognises its own claim).
+- :meth:`Store.write` applies a :class:`~twiceshy.Change` only when its guards hold.
+- Lease deadlines and expiry are measured on the store's clock, reported in every
+  :class:`~twiceshy.Snapshot`.
+- Errors reaching the store raise :class:`~twiceshy.StoreError` (``StoreUnavailable`` when it
+  cannot be reached), chained from the driver's own error; a store never answers "no record" for a
+  record it could not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from .._records import Change, Effect, Record, Snapshot, State
+
+__all__ = ["AsyncStore", "Store", "ThreadedAsyncStore", "open_store"]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A ledger store, blocking."""
+
+    def claim(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        fingerprint: str,
+        tool: str,
+        effect: Effect,
+        owner: str,
+        lease: float,
+    ) -> Snapshot:
+        """Insert a CLAIMED record (fence 1) unless the key has a live one; answer the record."""
+        ...
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        """Apply ``change`` if its guards hold; answer the record as it now is."""
+        ...
+
+    def get(self, namespace: str, key: str) -> Snapshot:
+        """Answer the key's live record, or ``None``."""
+        ...
+
+    def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """Block until the record is no longer CLAIMED under ``fence``, or ``timeout`` passes."""
+        ...
+
+    def records(
+        self,
+        namespace: str,
+        *,
+        states: Iterable[State] | None = None,
+        tool: str | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
+        """List live records of a namespace, newest first."""
+        ...
+
+    def purge_expired(self, namespace: str | None = None) -> int:
+        """Delete outcomes past their retention (never CLAIMED or UNKNOWN); answer how many."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """A ledger store for async callers; the same contract as :class:`Store`."""
+
+    async def claim(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        fingerprint: str,
+        tool: str,
+        effect: Effect,
+        owner: str,
+        lease: float,
+    ) -> Snapshot:
+        """See :meth:`Store.claim`."""
+        ...
+
+    async def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        """See :meth:`Store.write`."""
+        ...
+
+    async def get(self, namespace: str, key: str) -> Snapshot:
+        """See :meth:`Store.get`."""
+        ...
+
+    async def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """See :meth:`Store.wait`."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class ThreadedAsyncStore:
+    """An :class:`AsyncStore` over a blocking :class:`Store`.
+
+    Each call runs in a worker thread, so a store that blocks (a busy SQLite file) never stalls
+    the event loop. Waiting polls with backoff and holds no thread while it sleeps.
+
+    Args:
+        store: the blocking store.
+        threaded: run calls in worker threads; ``False`` for stores that never block (memory).
+    """
+
+    def __init__(self, store: Store, *, threaded: bool = True) -> None:
+        self.store = store
+        self._threaded = threaded
+
+    async def _call(self, fn: object, *args: object, **kwargs: object) -> Snapshot:
+        assert callable(fn)
+        if self._threaded:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+        else:
+            result = fn(*args, **kwargs)
+        assert isinstance(result, Snapshot)
+        return result
+
+    async def claim(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        fingerprint: str,
+        tool: str,
+        effect: Effect,
+        owner: str,
+        lease: float,
+    ) -> Snapshot:
+        """See :meth:`Store.claim`."""
+        return await self._call(
+            self.store.claim,
+            namespace,
+            key,
+            fingerprint=fingerprint,
+            tool=tool,
+            effect=effect,
+            owner=owner,
+            lease=lease,
+        )
+
+    async def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        """See :meth:`Store.write`."""
+        return await self._call(self.store.write, namespace, key, change)
+
+    async def get(self, namespace: str, key: str) -> Snapshot:
+        """See :meth:`Store.get`."""
+        return await self._call(self.store.get, namespace, key)
+
+    async def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """Poll with backoff (1 ms doubling to 25 ms) until the record settles or time is up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        delay = 0.001
+        while True:
+            snap = await self.get(namespace, key)
+            rec = snap.record
+            if rec is None or rec.state is not State.CLAIMED or rec.fence != fence:
+                return snap
+            left = deadline - loop.time()
+            if left <= 0:
+                return snap
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.025)
+
+    async def close(self) -> None:
+        """Close the blocking store."""
+        self.store.close()
+
+
+def open_store(url: str) -> tuple[Store, AsyncStore]:
+    """Open the store a URL names: ``memory://``, ``sqlite:///path/ledger.db``.
+
+    Args:
+        url: the ledger URL.
+
+    Returns:
+        The blocking store and its async twin.
+
+    Raises:
+        ValueError: the URL names no store twiceshy knows.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "memory":
+        from .memory import MemoryStore
+
+        memory = MemoryStore()
+        return memory, ThreadedAsyncStore(memory, threaded=False)
+    if scheme == "sqlite":
+        from .sqlite import SQLiteStore
+
+        sqlite = SQLiteStore.from_url(url)
+        return sqlite, ThreadedAsyncStore(sqlite)
+    known = "memory://, sqlite:///path"
+    raise ValueError(f"unknown ledger URL {url!r}: expected one of {known}")
+
+
+def default_url() -> str:
+    """The ledger URL used when none is given: ``TWICESHY_LEDGER``, else the embedded file."""
+    env = os.environ.get("TWICESHY_LEDGER")
+    if env:
+        return env
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return "sqlite:///" + os.path.join(state_home, "twiceshy", "ledger.db")

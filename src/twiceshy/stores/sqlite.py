@@ -1,0 +1,739 @@
+"""``sqlite:///path/ledger.db``: the embedded ledger, one file shared by processes and threads.
+
+Only the standard library's :mod:`sqlite3` is used. Every claim and every guarded write is one
+``BEGIN IMMEDIATE`` transaction holding one conditional statement, so two callers can never both
+win: SQLite admits one writer at a time, and the statement itself checks the guard.
+
+Journal mode:
+    The default is WAL with ``synchronous=FULL`` (a committed claim survives power loss). SQLite
+    releases before 3.44.6, 3.45.0 to 3.50.6, and 3.51.0 to 3.51.2 carry the WAL-reset bug: a
+    WAL reset racing a concurrent writer may lose committed transactions, which for a ledger
+    means a lost claim and a double run. On those versions the store falls back to the rollback
+    journal (``DELETE``): slower under concurrent readers and writers, always correct, and it
+    keeps the core on the standard library. The alternative, apsw with a bundled fixed SQLite,
+    was not taken so the core needs no third-party package. ``journal_mode="wal"`` forces WAL
+    anyway; :attr:`SQLiteStore.journal_mode` tells which mode is in effect.
+
+Clock:
+    SQLite has no server clock. Lease deadlines and expiry use the store's ``clock``, by default
+    the machine's wall clock, which every process on one machine shares. Processes on several
+    machines sharing one file over a network file system are not supported (SQLite's locking is
+    not reliable there, and their clocks differ).
+
+Waiting:
+    Within one process a waiter wakes on a condition that this store's own writes notify;
+    writes by other processes (or other store objects) are seen by polling with backoff, from
+    1 ms doubling to 25 ms. Every wait is bounded by its timeout.
+
+Connections:
+    A small pool of idle connections (autocommit, explicit transactions), taken for one
+    operation and given back. After :func:`os.fork` the child never touches its parent's
+    connections: it notices the new process id and starts an empty pool.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Final
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from .._records import (
+    FINAL_STATES,
+    Change,
+    Effect,
+    Record,
+    Snapshot,
+    State,
+    is_live,
+    new_claim,
+)
+from ..errors import StoreError, StoreUnavailable
+
+__all__ = ["SQLiteStore"]
+
+SCHEMA_VERSION: Final = 1
+
+# --------------------------------------------------------------------------------------------
+# SQL. Every statement the store runs is here; values are always bound, never formatted in.
+# Only enum values and the fixed column list are spliced in, at import time.
+# --------------------------------------------------------------------------------------------
+
+_COLUMNS: Final = (
+    "namespace, key, fingerprint, tool, effect, state, fence, owner, lease_deadline, attempts, "
+    "result, error, reason, created_at, updated_at, expires_at"
+)
+
+_SCHEMA: Final = (
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_meta (
+        name  TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID
+    """,
+    f"""
+    INSERT INTO twiceshy_meta (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}')
+    ON CONFLICT (name) DO NOTHING
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_records (
+        namespace      TEXT    NOT NULL,
+        key            TEXT    NOT NULL,
+        fingerprint    TEXT    NOT NULL,
+        tool           TEXT    NOT NULL,
+        effect         TEXT    NOT NULL,
+        state          TEXT    NOT NULL,
+        fence          INTEGER NOT NULL,
+        owner          TEXT    NOT NULL,
+        lease_deadline REAL,
+        attempts       INTEGER NOT NULL,
+        result         TEXT,
+        error          TEXT,
+        reason         TEXT,
+        created_at     REAL    NOT NULL,
+        updated_at     REAL    NOT NULL,
+        expires_at     REAL,
+        PRIMARY KEY (namespace, key)
+    ) WITHOUT ROWID
+    """,
+    # records(): one namespace, newest first.
+    """
+    CREATE INDEX IF NOT EXISTS twiceshy_records_by_created
+    ON twiceshy_records (namespace, created_at)
+    """,
+    # purge_expired(): only rows that can expire at all.
+    """
+    CREATE INDEX IF NOT EXISTS twiceshy_records_by_expiry
+    ON twiceshy_records (expires_at) WHERE expires_at IS NOT NULL
+    """,
+)
+
+_SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
+
+# A real (if idempotent) write: it makes a read-only file fail at construction, not at a claim.
+_TOUCH_SCHEMA_VERSION: Final = (
+    "UPDATE twiceshy_meta SET value = value WHERE name = 'schema_version'"
+)
+
+_SELECT_RECORD: Final = f"""
+    SELECT {_COLUMNS} FROM twiceshy_records WHERE namespace = :namespace AND key = :key
+"""
+
+# Insert a fresh claim, or replace a record past its retention with fence + 1. A live record
+# (any state) is left alone; the caller then reads it back in the same transaction.
+_CLAIM: Final = f"""
+    INSERT INTO twiceshy_records ({_COLUMNS})
+    VALUES (:namespace, :key, :fingerprint, :tool, :effect, :state, :fence, :owner,
+            :lease_deadline, :attempts, NULL, NULL, NULL, :now, :now, NULL)
+    ON CONFLICT (namespace, key) DO UPDATE SET
+        fingerprint    = excluded.fingerprint,
+        tool           = excluded.tool,
+        effect         = excluded.effect,
+        state          = excluded.state,
+        fence          = twiceshy_records.fence + 1,
+        owner          = excluded.owner,
+        lease_deadline = excluded.lease_deadline,
+        attempts       = excluded.attempts,
+        result         = NULL,
+        error          = NULL,
+        reason         = NULL,
+        created_at     = excluded.created_at,
+        updated_at     = excluded.updated_at,
+        expires_at     = NULL
+    WHERE twiceshy_records.expires_at IS NOT NULL
+      AND twiceshy_records.expires_at <= excluded.created_at
+"""
+
+# The five ``:sN`` slots hold the allowed states, padded with NULL (``x IN (NULL)`` is never
+# true), so one constant statement serves every ``from_states``.
+_STATE_SLOTS: Final = tuple(f"s{i}" for i in range(len(State)))
+_STATES_IN: Final = "state IN (" + ", ".join(f":{slot}" for slot in _STATE_SLOTS) + ")"
+
+# One guarded compare-and-set; it sets exactly what ``apply_change`` sets. Values that depend
+# only on the change and the clock are computed in Python and bound.
+_WRITE: Final = f"""
+    UPDATE twiceshy_records SET
+        state          = :to,
+        fence          = fence + :bump,
+        owner          = COALESCE(:new_owner, owner),
+        lease_deadline = CASE WHEN :keep_deadline THEN lease_deadline ELSE :lease_deadline END,
+        attempts       = attempts + :add_attempts,
+        result         = :result,
+        error          = :error,
+        reason         = :reason,
+        updated_at     = :now,
+        expires_at     = :expires_at
+    WHERE namespace = :namespace
+      AND key = :key
+      AND fence = :fence
+      AND {_STATES_IN}
+      AND (:owner IS NULL OR owner = :owner)
+      AND (NOT :lapsed OR (lease_deadline IS NOT NULL AND lease_deadline <= :now))
+      AND (expires_at IS NULL OR expires_at > :now)
+"""
+
+_RECORDS: Final = f"""
+    SELECT {_COLUMNS} FROM twiceshy_records
+    WHERE namespace = :namespace
+      AND (expires_at IS NULL OR expires_at > :now)
+      AND (:all_states OR {_STATES_IN})
+      AND (:tool IS NULL OR tool = :tool)
+    ORDER BY created_at DESC
+    LIMIT :limit
+"""
+
+_FINAL_VALUES: Final = ", ".join(f"'{s.value}'" for s in State if s in FINAL_STATES)
+
+_PURGE: Final = f"""
+    DELETE FROM twiceshy_records
+    WHERE expires_at IS NOT NULL
+      AND expires_at <= :now
+      AND state IN ({_FINAL_VALUES})
+      AND (:namespace IS NULL OR namespace = :namespace)
+"""
+
+# --------------------------------------------------------------------------------------------
+
+_SYNCHRONOUS: Final = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
+_JOURNAL_MODES: Final = frozenset({"wal", "delete", "truncate", "persist"})
+_MIN_VERSION: Final = (3, 24, 0)  # INSERT ... ON CONFLICT DO UPDATE
+_IDLE_CONNECTIONS: Final = 4
+_POLL_FIRST: Final = 0.001
+_POLL_CAP: Final = 0.025
+
+# Primary result codes meaning "the file cannot be reached or used now".
+_UNAVAILABLE_CODES: Final = frozenset(
+    {
+        3,  # SQLITE_PERM
+        5,  # SQLITE_BUSY (after the busy timeout)
+        6,  # SQLITE_LOCKED
+        8,  # SQLITE_READONLY
+        10,  # SQLITE_IOERR
+        13,  # SQLITE_FULL
+        14,  # SQLITE_CANTOPEN
+    }
+)
+
+
+def has_wal_reset_bug(version: Sequence[int]) -> bool:
+    """Whether an SQLite version carries the WAL-reset bug (fixed in 3.44.6, 3.50.7, 3.51.3).
+
+    Args:
+        version: the version as a tuple, e.g. :data:`sqlite3.sqlite_version_info`.
+    """
+    v = tuple(version[:3])
+    return v < (3, 44, 6) or (3, 45, 0) <= v < (3, 50, 7) or (3, 51, 0) <= v < (3, 51, 3)
+
+
+def _seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def _store_error(exc: sqlite3.Error) -> StoreError:
+    """The twiceshy error for a driver error (the caller chains it ``from`` ``exc``)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    message = f"SQLite ledger: {exc}"
+    if isinstance(code, int) and code & 0xFF in _UNAVAILABLE_CODES:
+        return StoreUnavailable(message)
+    text = str(exc).lower()
+    if isinstance(exc, sqlite3.OperationalError) and any(
+        hint in text for hint in ("unable to open", "disk i/o", "database is locked")
+    ):
+        return StoreUnavailable(message)
+    return StoreError(message)
+
+
+def _record(row: Sequence[Any]) -> Record:
+    (
+        namespace,
+        key,
+        fingerprint,
+        tool,
+        effect,
+        state,
+        fence,
+        owner,
+        lease_deadline,
+        attempts,
+        result,
+        error,
+        reason,
+        created_at,
+        updated_at,
+        expires_at,
+    ) = row
+    try:
+        return Record(
+            namespace=namespace,
+            key=key,
+            fingerprint=fingerprint,
+            tool=tool,
+            effect=Effect(effect),
+            state=State(state),
+            fence=fence,
+            owner=owner,
+            lease_deadline=lease_deadline,
+            attempts=attempts,
+            result=result,
+            error=error,
+            reason=reason,
+            created_at=created_at,
+            updated_at=updated_at,
+            expires_at=expires_at,
+        )
+    except ValueError as exc:
+        raise StoreError(f"SQLite ledger: unreadable record {namespace!r}/{key!r}: {exc}") from exc
+
+
+def _state_slots(states: Iterable[State]) -> dict[str, str | None]:
+    values: list[str | None] = [s.value for s in frozenset(states)]
+    values += [None] * (len(_STATE_SLOTS) - len(values))
+    return dict(zip(_STATE_SLOTS, values, strict=True))
+
+
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    try:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        # The original error is already on its way up, and this connection is discarded
+        # (closing it rolls back whatever is left).
+        pass
+
+
+class SQLiteStore:
+    """A :class:`~twiceshy.stores.Store` in one SQLite file.
+
+    Args:
+        path: the database file; its parent directory is created.
+        clock: the store's clock, seconds since the epoch (the wall clock by default).
+        synchronous: ``PRAGMA synchronous``: ``"FULL"`` (default), ``"EXTRA"``, ``"NORMAL"``,
+            ``"OFF"``. Anything below FULL may lose a committed claim on power loss.
+        journal_mode: ``None`` chooses WAL, or the rollback journal on SQLite versions with the
+            WAL-reset bug; ``"wal"``, ``"delete"``, ``"truncate"``, ``"persist"`` force a mode.
+        busy_timeout: how long to wait for another writer before failing with
+            :class:`~twiceshy.StoreUnavailable`.
+
+    Attributes:
+        path: the database file.
+        journal_mode: the journal mode in effect (``"wal"`` or ``"delete"``, ...).
+        synchronous: the ``synchronous`` setting of every connection.
+
+    Raises:
+        StoreUnavailable: the file cannot be opened, created or written.
+        StoreError: the file is not a twiceshy ledger this version can use.
+        ValueError: a setting is not one of those above.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        synchronous: str = "FULL",
+        journal_mode: str | None = None,
+        busy_timeout: float | timedelta = 30.0,
+    ) -> None:
+        self.path = os.fspath(path)
+        if self.path in ("", ":memory:") or self.path.startswith("file:"):
+            raise ValueError(
+                f"SQLite ledger needs a file path, not {self.path!r} (use memory:// for a "
+                "ledger inside one process)"
+            )
+        self.synchronous = synchronous.upper()
+        if self.synchronous not in _SYNCHRONOUS:
+            raise ValueError(
+                f"synchronous must be one of {sorted(_SYNCHRONOUS)}, not {synchronous!r}"
+            )
+        if journal_mode is None:
+            wanted = "delete" if has_wal_reset_bug(sqlite3.sqlite_version_info) else "wal"
+        else:
+            wanted = journal_mode.lower()
+            if wanted not in _JOURNAL_MODES:
+                raise ValueError(
+                    f"journal_mode must be one of {sorted(_JOURNAL_MODES)}, not {journal_mode!r}"
+                )
+        self.journal_mode = wanted
+        self._busy_timeout = _seconds(busy_timeout)
+        if self._busy_timeout < 0:
+            raise ValueError("busy_timeout must not be negative")
+        if sqlite3.sqlite_version_info < _MIN_VERSION:
+            raise StoreError(
+                f"SQLite ledger needs SQLite >= {'.'.join(map(str, _MIN_VERSION))}, "
+                f"this Python has {sqlite3.sqlite_version}"
+            )
+        self._clock = clock
+        self._closed = False
+        self._pid = os.getpid()
+        self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._changed = threading.Condition()
+        self._version = 0
+
+        parent = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
+        conn = self._connect()
+        try:
+            self.journal_mode = self._journal_mode_of(conn)
+            self._create_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._give_back(conn)
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Callable[[], float] = time.time) -> SQLiteStore:
+        """Open the store a ``sqlite://`` URL names.
+
+        ``sqlite:///relative/ledger.db`` is relative to the working directory and
+        ``sqlite:////abs/ledger.db`` absolute (the path is what follows the third slash, as in
+        SQLAlchemy). Query parameters: ``synchronous=``, ``journal_mode=``, ``busy_timeout=``
+        (seconds), e.g. ``sqlite:///ledger.db?journal_mode=wal&busy_timeout=5``.
+
+        Args:
+            url: the ledger URL.
+            clock: the store's clock.
+
+        Raises:
+            ValueError: the URL is not a ``sqlite:///path`` URL, or has unknown parameters.
+            StoreUnavailable: the file cannot be opened or created.
+        """
+        parts = urlsplit(url)
+        if parts.scheme.lower() != "sqlite":
+            raise ValueError(f"not a sqlite:// URL: {url!r}")
+        if parts.netloc:
+            raise ValueError(
+                f"SQLite ledger URL names a host {parts.netloc!r}: write sqlite:///relative/path "
+                "or sqlite:////absolute/path"
+            )
+        path = unquote(parts.path[1:]) if parts.path.startswith("/") else ""
+        if not path:
+            raise ValueError(f"SQLite ledger URL names no file: {url!r}")
+        params: dict[str, str] = {}
+        for name, values in parse_qs(parts.query, keep_blank_values=True).items():
+            if len(values) != 1:
+                raise ValueError(f"SQLite ledger URL repeats {name!r}: {url!r}")
+            params[name] = values[0]
+        return cls(path, clock=clock, **_url_settings(params, url))
+
+    def __repr__(self) -> str:
+        return (
+            f"SQLiteStore({self.path!r}, journal_mode={self.journal_mode!r}, "
+            f"synchronous={self.synchronous!r})"
+        )
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=self._busy_timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise _store_error(exc) from exc
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {round(self._busy_timeout * 1000)}")
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            conn.execute(f"PRAGMA journal_mode = {self.journal_mode}").fetchall()
+        except sqlite3.Error as exc:
+            conn.close()
+            raise _store_error(exc) from exc
+        return conn
+
+    def _journal_mode_of(self, conn: sqlite3.Connection) -> str:
+        try:
+            row = conn.execute("PRAGMA journal_mode").fetchone()
+        except sqlite3.Error as exc:
+            raise _store_error(exc) from exc
+        # WAL may be refused (e.g. a file system without shared memory); report what runs.
+        return str(row[0]).lower()
+
+    def _create_schema(self, conn: sqlite3.Connection) -> None:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                row = conn.execute(_SELECT_SCHEMA_VERSION).fetchone()
+                conn.execute(_TOUCH_SCHEMA_VERSION)
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback_quietly(conn)
+                raise
+        except sqlite3.Error as exc:
+            raise _store_error(exc) from exc
+        found = row[0] if row is not None else None
+        if found != str(SCHEMA_VERSION):
+            raise StoreError(
+                f"SQLite ledger {self.path!r} has schema version {found!r}; this twiceshy "
+                f"reads version {SCHEMA_VERSION}"
+            )
+
+    def _pool(self) -> queue.SimpleQueue[sqlite3.Connection]:
+        pid = os.getpid()
+        if pid != self._pid:
+            # A forked child: the parent's connections, and a condition whose lock a parent
+            # thread may have held at the fork, must never be used here. They are dropped, and
+            # the child opens its own connections.
+            self._pid = pid
+            self._idle = queue.SimpleQueue()
+            self._changed = threading.Condition()
+        return self._idle
+
+    def _give_back(self, conn: sqlite3.Connection) -> None:
+        idle = self._pool()
+        if self._closed or idle.qsize() >= _IDLE_CONNECTIONS:
+            conn.close()
+        else:
+            idle.put(conn)
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """Lend a connection for one operation; map driver errors to :class:`StoreError`."""
+        if self._closed:
+            raise StoreError(f"SQLite ledger {self.path!r} is closed")
+        try:
+            conn = self._pool().get_nowait()
+        except queue.Empty:
+            conn = self._connect()
+        try:
+            yield conn
+        except sqlite3.Error as exc:
+            _rollback_quietly(conn)
+            conn.close()
+            raise _store_error(exc) from exc
+        except BaseException:
+            _rollback_quietly(conn)
+            conn.close()
+            raise
+        self._give_back(conn)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction: ``BEGIN IMMEDIATE`` takes the one writer's lock up front."""
+        with self._connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            # On any error _connection rolls back and discards the connection. A failed
+            # COMMIT leaves the outcome unknown to us; a claim retried with the same owner
+            # token recognises itself.
+            yield conn
+            conn.execute("COMMIT")
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    @staticmethod
+    def _read(conn: sqlite3.Connection, namespace: str, key: str) -> Record | None:
+        row = conn.execute(_SELECT_RECORD, {"namespace": namespace, "key": key}).fetchone()
+        return _record(row) if row is not None else None
+
+    # -- the Store protocol -----------------------------------------------------------------
+
+    def claim(
+        self,
+        namespace: str,
+        key: str,
+        *,
+        fingerprint: str,
+        tool: str,
+        effect: Effect,
+        owner: str,
+        lease: float,
+    ) -> Snapshot:
+        """See :meth:`twiceshy.stores.Store.claim`."""
+        # Fast path: a live outcome changes only by expiry, so it is answered without taking
+        # the writer's lock.
+        with self._connection() as conn:
+            now = self._clock()
+            existing = self._read(conn, namespace, key)
+        if (
+            existing is not None
+            and existing.state in (State.SUCCEEDED, State.FAILED)
+            and is_live(existing, now)
+        ):
+            return Snapshot(existing, now, False)
+
+        with self._transaction() as conn:
+            # Read the clock once the lock is held: waiting for it must not shorten the lease.
+            now = self._clock()
+            fresh = new_claim(
+                namespace,
+                key,
+                fingerprint=fingerprint,
+                tool=tool,
+                effect=effect,
+                owner=owner,
+                lease=lease,
+                now=now,
+            )
+            inserted = (
+                conn.execute(
+                    _CLAIM,
+                    {
+                        "namespace": namespace,
+                        "key": key,
+                        "fingerprint": fresh.fingerprint,
+                        "tool": fresh.tool,
+                        "effect": fresh.effect.value,
+                        "state": fresh.state.value,
+                        "fence": fresh.fence,
+                        "owner": fresh.owner,
+                        "lease_deadline": fresh.lease_deadline,
+                        "attempts": fresh.attempts,
+                        "now": now,
+                    },
+                ).rowcount
+                == 1
+            )
+            record = self._read(conn, namespace, key)
+        if inserted:
+            self._notify()
+        if record is None or not is_live(record, now):  # pragma: no cover - defensive
+            raise StoreError(f"SQLite ledger lost the claim of {namespace!r}/{key!r}")
+        won = inserted or (record.state is State.CLAIMED and record.owner == owner)
+        return Snapshot(record, now, won)
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        """See :meth:`twiceshy.stores.Store.write`."""
+        to = change.to
+        with self._transaction() as conn:
+            now = self._clock()
+            params: dict[str, object] = {
+                "namespace": namespace,
+                "key": key,
+                "fence": change.fence,
+                "owner": change.owner,
+                "lapsed": change.lapsed,
+                "now": now,
+                "to": to.value,
+                "bump": 1 if change.new_owner is not None else 0,
+                "new_owner": change.new_owner,
+                "keep_deadline": to is State.CLAIMED and change.lease is None,
+                "lease_deadline": (
+                    now + change.lease if to is State.CLAIMED and change.lease is not None else None
+                ),
+                "add_attempts": 1 if change.new_owner is not None or change.count_attempt else 0,
+                "result": change.result if to is State.SUCCEEDED else None,
+                "error": change.error if to in (State.FAILED, State.UNKNOWN) else None,
+                "reason": change.reason if to is State.UNKNOWN else None,
+                "expires_at": (
+                    now + change.ttl if to in FINAL_STATES and change.ttl is not None else None
+                ),
+                **_state_slots(change.from_states),
+            }
+            won = conn.execute(_WRITE, params).rowcount == 1
+            record = self._read(conn, namespace, key)
+        if won:
+            self._notify()
+        if record is not None and not is_live(record, now):
+            record = None
+        return Snapshot(record, now, won)
+
+    def get(self, namespace: str, key: str) -> Snapshot:
+        """See :meth:`twiceshy.stores.Store.get`."""
+        with self._connection() as conn:
+            now = self._clock()
+            record = self._read(conn, namespace, key)
+        if record is not None and not is_live(record, now):
+            record = None
+        return Snapshot(record, now)
+
+    def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """See :meth:`twiceshy.stores.Store.wait`.
+
+        Wakes at once on this store's own writes; polls with backoff (1 ms doubling to 25 ms)
+        for writes by other processes.
+        """
+        deadline = time.monotonic() + max(timeout, 0.0)
+        delay = _POLL_FIRST
+        while True:
+            self._pool()  # a forked child gets its own condition before using it
+            changed = self._changed
+            with changed:
+                seen = self._version
+            snap = self.get(namespace, key)
+            record = snap.record
+            if record is None or record.state is not State.CLAIMED or record.fence != fence:
+                return snap
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return snap
+            with changed:
+                # Our own write may have landed since the read: then look again at once.
+                if self._version == seen:
+                    changed.wait(min(delay, left))
+            delay = min(delay * 2, _POLL_CAP)
+
+    def records(
+        self,
+        namespace: str,
+        *,
+        states: Iterable[State] | None = None,
+        tool: str | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
+        """See :meth:`twiceshy.stores.Store.records`."""
+        with self._connection() as conn:
+            now = self._clock()
+            rows = conn.execute(
+                _RECORDS,
+                {
+                    "namespace": namespace,
+                    "now": now,
+                    "all_states": states is None,
+                    "tool": tool,
+                    "limit": -1 if limit is None else max(limit, 0),
+                    **_state_slots(states if states is not None else ()),
+                },
+            ).fetchall()
+        return [_record(row) for row in rows]
+
+    def purge_expired(self, namespace: str | None = None) -> int:
+        """See :meth:`twiceshy.stores.Store.purge_expired`."""
+        with self._connection() as conn:
+            now = self._clock()
+            # One statement in autocommit mode is its own transaction.
+            count: int = conn.execute(_PURGE, {"now": now, "namespace": namespace}).rowcount
+        return count
+
+    def close(self) -> None:
+        """Close the idle connections; connections in use close when given back."""
+        self._closed = True
+        idle = self._pool()
+        while True:
+            try:
+                conn = idle.get_nowait()
+            except queue.Empty:
+                return
+            conn.close()
+
+
+def _url_settings(params: Mapping[str, str], url: str) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in ("synchronous", "journal_mode"):
+            settings[name] = value
+        elif name == "busy_timeout":
+            try:
+                settings[name] = float(value)
+            except ValueError:
+                raise ValueError(f"busy_timeout must be seconds, not {value!r}") from None
+        else:
+            raise ValueError(
+                f"unknown SQLite ledger URL parameter {name!r} in {url!r} (known: "
+                "synchronous, journal_mode, busy_timeout)"
+            )
+    return settings

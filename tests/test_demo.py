@@ -1,0 +1,139 @@
+"""``twiceshy demo``: the re-enacted double charge, in process and as the console script."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from twiceshy._demo import DemoResult, print_report, run_demo
+
+
+@pytest.fixture(scope="module")
+def result() -> DemoResult:
+    """One run of the demo on a fresh temporary SQLite ledger."""
+    return run_demo()
+
+
+def _script(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "100", "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "twiceshy", *args],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def _row(output: str, title: str) -> tuple[int, int]:
+    """The calls and charges printed on a table row."""
+    match = re.search(rf"{re.escape(title)}\W+(\d+)\W+(\d+)\W", output)
+    assert match is not None, output
+    return int(match[1]), int(match[2])
+
+
+def test_plain_retry_loop_charges_twice(result: DemoResult) -> None:
+    """The plain loop's retry after a timeout makes a second charge at the provider."""
+    plain = result.plain
+    assert len(plain.charges) == 2
+    assert [c.error for c in plain.calls] == ["TimeoutError", None]
+    assert plain.calls[1].charge_id == plain.charges[1]
+
+
+def test_keyed_tool_charges_once_and_the_retry_gets_the_first_charge(result: DemoResult) -> None:
+    """The KEYED tool's retry sends the same key: one charge, and the retry returns its id."""
+    keyed = result.keyed
+    assert len(keyed.charges) == 1
+    first, retry, again = keyed.calls
+    assert first.error == "TimeoutError"
+    assert first.created == keyed.charges
+    assert retry.charge_id == keyed.charges[0]
+    assert retry.reached_provider
+    assert retry.created == ()
+    assert again.charge_id == keyed.charges[0]
+
+
+def test_keyed_tool_replays_from_the_ledger_without_the_provider(result: DemoResult) -> None:
+    """A third call of the KEYED tool is answered by the ledger; the provider sees no request."""
+    keyed = result.keyed
+    assert not keyed.calls[2].reached_provider
+    assert keyed.requests == 2
+
+
+def test_unsafe_tool_charges_once_and_is_never_run_again(result: DemoResult) -> None:
+    """The UNSAFE tool ends in OutcomeUnknown, and its retry never reaches the provider."""
+    unsafe = result.unsafe
+    assert len(unsafe.charges) == 1
+    assert [c.error for c in unsafe.calls] == ["OutcomeUnknown", "OutcomeUnknown"]
+    assert unsafe.calls[0].reached_provider
+    assert not unsafe.calls[1].reached_provider
+    assert unsafe.requests == 1
+
+
+def test_outcome_unknown_message_is_honest(result: DemoResult) -> None:
+    """The message the model reads says the charge may have happened and invites no retry."""
+    message = result.message
+    assert message == result.unsafe.calls[0].message
+    assert "try again" not in message.lower()
+    assert re.search(r"may (or may not )?have (happened|taken effect)", message)
+
+
+def test_result_says_the_story_came_out(result: DemoResult) -> None:
+    """The demo's verdict is 2 / 1 / 1 charges, and it took well under ten seconds."""
+    assert [len(act.charges) for act in result.acts] == [2, 1, 1]
+    assert result.ok
+    assert result.seconds < 10
+    assert result.scope.startswith("demo-run-")
+
+
+def test_report_prints_the_table_and_the_message(result: DemoResult) -> None:
+    """The report shows every act with its counts, and the model's message in full."""
+    out = io.StringIO()
+    print_report(result, Console(file=out, width=100, color_system=None))
+    text = out.getvalue()
+    assert _row(text, "plain retry loop") == (2, 2)
+    assert _row(text, "twiceshy, KEYED") == (3, 1)
+    assert _row(text, "twiceshy, UNSAFE") == (2, 1)
+    assert "replayed from ledger" in text
+    assert "2 / 1 / 1, as expected" in text
+    assert " ".join(result.message.split()[:8]) in " ".join(text.split())
+
+
+def test_console_script_runs_the_demo() -> None:
+    """``python -m twiceshy demo`` exits 0 and prints the table with the expected counts."""
+    done = _script("demo")
+    assert done.returncode == 0, done.stderr
+    assert _row(done.stdout, "plain retry loop") == (2, 2)
+    assert _row(done.stdout, "twiceshy, KEYED") == (3, 1)
+    assert _row(done.stdout, "twiceshy, UNSAFE") == (2, 1)
+    assert "OutcomeUnknown" in done.stdout
+    assert "Charges at the provider: 2 / 1 / 1, as expected." in done.stdout
+    assert done.stderr == ""
+
+
+def test_console_script_reuses_a_persistent_ledger(tmp_path: Path) -> None:
+    """Two runs in a row on one SQLite ledger file both tell the full story."""
+    url = "sqlite:///" + str(tmp_path / "l.db")
+    for _ in range(2):
+        done = _script("demo", "--ledger", url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "2 / 1 / 1, as expected" in done.stdout
+        assert url in done.stdout.replace("\n", "")
+    assert (tmp_path / "l.db").exists()
+
+
+def test_console_script_refuses_an_unknown_ledger_url() -> None:
+    """An unknown ledger URL is a short error and a non-zero exit, not a traceback."""
+    done = _script("demo", "--ledger", "nosuch://x")
+    assert done.returncode != 0
+    assert "nosuch://x" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,834 @@
+"""The ledger's promises to a tool's caller, on the memory store (DESIGN.md §3 to §5, §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections import Counter
+from decimal import Decimal
+from typing import Any
+
+import pydantic
+import pytest
+
+import twiceshy
+from twiceshy.stores.memory import MemoryStore
+
+
+class Clock:
+    """A store clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(clock: Clock) -> MemoryStore:
+    return MemoryStore(clock=clock)
+
+
+@pytest.fixture
+def ledger(store: MemoryStore) -> twiceshy.Ledger:
+    return twiceshy.Ledger(store=store)
+
+
+def no_backoff(attempt: int) -> float:
+    return 0.0
+
+
+def test_replays_the_first_result(ledger: twiceshy.Ledger) -> None:
+    """A retry of one intent gets the first result and the work runs once."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int, customer: str) -> dict[str, Any]:
+        runs.append(amount)
+        return {"id": f"ch_{len(runs)}", "amount": amount}
+
+    with twiceshy.run("run-1"):
+        first = charge(4900, "cus_1")
+        second = charge(4900, "cus_1")
+    assert first == second == {"id": "ch_1", "amount": 4900}
+    assert runs == [4900]
+
+
+@pytest.mark.parametrize("value", [0, "", [], {}, None, False, 0.0])
+def test_falsy_results_replay_as_themselves(ledger: twiceshy.Ledger, value: object) -> None:
+    """0, "", [], {}, None and False replay as themselves, and the work runs once."""
+    runs = Counter[str]()
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def tool() -> object:
+        runs["tool"] += 1
+        return value
+
+    with twiceshy.run("run-falsy"):
+        assert tool() == value
+        replayed = tool()
+    assert replayed == value
+    assert type(replayed) is type(value)
+    assert runs["tool"] == 1
+
+
+def test_spellings_of_one_call_share_a_key(ledger: twiceshy.Ledger) -> None:
+    """Positional, keyword and default-filled spellings of one call are one intent."""
+    keys: list[str | None] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def send(to: str, subject: str, urgent: bool = False) -> int:
+        keys.append(twiceshy.current_key())
+        return len(keys)
+
+    with twiceshy.run("run-2"):
+        assert send("a@example.com", "hi") == 1
+        assert send(to="a@example.com", subject="hi") == 1
+        assert send("a@example.com", subject="hi", urgent=False) == 1
+        assert send("a@example.com", "hi", True) == 2
+    assert len(keys) == 2
+    assert keys[0] == twiceshy.idempotency_key(
+        "run-2", "send", {"to": "a@example.com", "subject": "hi", "urgent": False}
+    )
+
+
+def test_scopes_are_different_intents(ledger: twiceshy.Ledger) -> None:
+    """Two runs calling a tool with the same arguments both execute."""
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def act(x: int) -> int:
+        runs.append("x")
+        return x
+
+    for scope in ("run-a", "run-b", "run-a"):
+        with twiceshy.run(scope):
+            act(1)
+    assert len(runs) == 2
+
+
+def test_missing_scope_is_refused_before_the_tool_runs(ledger: twiceshy.Ledger) -> None:
+    """A call outside any run scope raises MissingScope and the tool never runs."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def act(x: int) -> int:
+        runs.append(x)
+        return x
+
+    with pytest.raises(twiceshy.MissingScope, match=r"twiceshy\.run"):
+        act(1)
+    assert runs == []
+
+
+def test_scope_derived_from_arguments(ledger: twiceshy.Ledger) -> None:
+    """A tool may derive its scope from its arguments when no run scope is active."""
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, scope=lambda args: f"order-{args['order']}")
+    def ship(order: str) -> str:
+        runs.append(order)
+        return order
+
+    assert ship("o1") == ship("o1") == "o1"
+    assert runs == ["o1"]
+
+
+def test_unkeyable_argument_is_refused_before_the_tool_runs(ledger: twiceshy.Ledger) -> None:
+    """An argument with no canonical form raises UnkeyableType naming its path; nothing runs."""
+    runs: list[object] = []
+
+    class Foo:
+        pass
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def act(items: list[object]) -> None:
+        runs.append(items)
+
+    with twiceshy.run("run-3"), pytest.raises(twiceshy.UnkeyableType, match=r"items\[1\]"):
+        act([1, Foo()])
+    with twiceshy.run("run-3"), pytest.raises(twiceshy.UnkeyableValue):
+        act([float("nan")])
+    assert runs == []
+
+
+def test_key_reuse_with_other_arguments_never_runs(ledger: twiceshy.Ledger) -> None:
+    """With key_args narrowing the key, a call with other full arguments is refused."""
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, key_args=["order"])
+    def refund(order: str, amount: int) -> int:
+        runs.append(order)
+        return amount
+
+    with twiceshy.run("run-4"):
+        assert refund("o1", 100) == 100
+        with pytest.raises(twiceshy.KeyReuseMismatch):
+            refund("o1", 999)
+        assert refund("o1", 100) == 100
+    assert runs == ["o1"]
+
+
+def test_ignored_arguments_do_not_name_the_intent(ledger: twiceshy.Ledger) -> None:
+    """ignore_args leaves a volatile argument out of the key but still checks it."""
+    runs: list[float] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, ignore_args=["trace_id"])
+    def act(x: int, trace_id: str) -> int:
+        runs.append(x)
+        return x
+
+    with twiceshy.run("run-5"):
+        act(1, "t1")
+        with pytest.raises(twiceshy.KeyReuseMismatch):
+            act(1, "t2")
+    assert runs == [1]
+
+
+def test_explicit_key_is_used_and_checked(ledger: twiceshy.Ledger) -> None:
+    """A key passed through the key parameter is the key, checked against the arguments."""
+    seen: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int, idempotency_key: str | None = None) -> int:
+        assert idempotency_key is not None
+        seen.append(idempotency_key)
+        return amount
+
+    assert charge(5, idempotency_key="order-77") == 5
+    assert charge(5, idempotency_key="order-77") == 5
+    with pytest.raises(twiceshy.KeyReuseMismatch):
+        charge(6, idempotency_key="order-77")
+    assert seen == ["order-77"]
+
+
+def test_key_is_injected_and_current(ledger: twiceshy.Ledger) -> None:
+    """Inside a KEYED tool the key is both injected and current_key(), and left out of the key."""
+    seen: list[tuple[str | None, str | None]] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int, idempotency_key: str | None = None) -> int:
+        seen.append((idempotency_key, twiceshy.current_key()))
+        return amount
+
+    with twiceshy.run("run-6"):
+        charge(5)
+    expected = twiceshy.idempotency_key("run-6", "charge", {"amount": 5})
+    assert seen == [(expected, expected)]
+    assert twiceshy.current_key() is None
+
+
+def test_keyed_ambiguous_error_is_retried_in_place_with_the_same_key(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A timeout of a KEYED tool is retried with the same key; the caller gets the result."""
+    keys: list[str | None] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, attempts=3, backoff=no_backoff)
+    def charge(amount: int) -> str:
+        keys.append(twiceshy.current_key())
+        if len(keys) < 3:
+            raise TimeoutError("read timed out")
+        return "ch_1"
+
+    with twiceshy.run("run-7"):
+        assert charge(10) == "ch_1"
+        assert charge(10) == "ch_1"
+    assert len(keys) == 3
+    assert len(set(keys)) == 1
+
+
+def test_keyed_attempts_exhausted_runs_again_with_the_same_key(
+    ledger: twiceshy.Ledger, store: MemoryStore
+) -> None:
+    """When attempts run out the record is UNKNOWN and the next call runs with the same key."""
+    keys: list[str | None] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, attempts=2, backoff=no_backoff)
+    def charge(amount: int) -> str:
+        keys.append(twiceshy.current_key())
+        if len(keys) <= 2:
+            raise TimeoutError("read timed out")
+        return "ch_1"
+
+    with twiceshy.run("run-8"):
+        with pytest.raises(TimeoutError):
+            charge(10)
+        key = twiceshy.idempotency_key("run-8", "charge", {"amount": 10})
+        record = store.get("", key).record
+        assert record is not None
+        assert record.state is twiceshy.State.UNKNOWN
+        assert charge(10) == "ch_1"
+    record = store.get("", key).record
+    assert record is not None
+    assert record.state is twiceshy.State.SUCCEEDED
+    assert record.fence == 2
+    assert keys == [key, key, key]
+
+
+def test_unsafe_ambiguous_error_is_never_rerun(
+    ledger: twiceshy.Ledger, store: MemoryStore
+) -> None:
+    """An UNSAFE tool that times out gives OutcomeUnknown, now and on every retry; it runs once."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def wire(amount: int) -> str:
+        runs.append(amount)
+        raise TimeoutError("read timed out")
+
+    with twiceshy.run("run-9"):
+        with pytest.raises(twiceshy.OutcomeUnknown) as first:
+            wire(500)
+        assert isinstance(first.value.__cause__, TimeoutError)
+        for _ in range(3):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                wire(500)
+    assert runs == [500]
+    record = store.get("", first.value.key).record
+    assert record is not None
+    assert record.state is twiceshy.State.UNKNOWN
+    assert record.reason is not None
+    assert "TimeoutError" in record.reason
+
+
+def test_outcome_unknown_speaks_to_the_model() -> None:
+    """OutcomeUnknown says it may have happened, will not rerun, tell the user; no 'try again'."""
+    text = str(twiceshy.OutcomeUnknown("wire", "ab" * 32, "TimeoutError"))
+    assert "may or may not have taken effect" in text
+    assert "will not be run again" in text
+    assert "tell the user" in text
+    assert "try again" not in text.lower()
+    busy = str(twiceshy.InProgress("wire", "ab" * 32))
+    assert "still running" in busy
+    assert "try again" not in busy.lower()
+
+
+def test_not_applied_releases_the_intent(ledger: twiceshy.Ledger) -> None:
+    """A tool raising NotApplied (or a not_applied= type) leaves the intent free to run again."""
+    runs: list[int] = []
+
+    class Declined(Exception):
+        pass
+
+    @ledger.tool(effect=twiceshy.UNSAFE, not_applied=[Declined])
+    def wire(amount: int) -> str:
+        runs.append(amount)
+        if len(runs) == 1:
+            raise twiceshy.NotApplied("provider refused before doing anything")
+        if len(runs) == 2:
+            raise Declined("rate limited")
+        return "ok"
+
+    with twiceshy.run("run-10"):
+        with pytest.raises(twiceshy.NotApplied):
+            wire(1)
+        with pytest.raises(Declined):
+            wire(1)
+        assert wire(1) == "ok"
+        assert wire(1) == "ok"
+    assert runs == [1, 1, 1]
+
+
+class CardDeclined(Exception):
+    """A definite failure of the test provider."""
+
+
+def test_definite_error_is_recorded_and_replayed_as_its_type(ledger: twiceshy.Ledger) -> None:
+    """A definite= error is recorded as FAILED and replayed as the same type without rerunning."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, definite=[CardDeclined])
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        raise CardDeclined("card declined: insufficient funds")
+
+    with twiceshy.run("run-11"):
+        with pytest.raises(CardDeclined, match="insufficient funds"):
+            charge(1)
+        with pytest.raises(CardDeclined, match="insufficient funds"):
+            charge(1)
+    assert runs == [1]
+
+
+def test_reconcile_resolves_an_unknown_outcome(ledger: twiceshy.Ledger) -> None:
+    """A reconciler that finds the effect turns UNKNOWN into the found result; none reruns."""
+    runs: list[int] = []
+    asked: list[str] = []
+
+    def look_up(key: str, args: Any) -> twiceshy.Happened | None:
+        asked.append(key)
+        return twiceshy.Happened({"id": "ch_found", "amount": args["amount"]})
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=look_up)
+    def charge(amount: int) -> dict[str, Any]:
+        runs.append(amount)
+        raise TimeoutError
+
+    with twiceshy.run("run-12"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            charge(7)
+        assert charge(7) == {"id": "ch_found", "amount": 7}
+        assert charge(7) == {"id": "ch_found", "amount": 7}
+    assert runs == [7]
+    assert len(asked) == 1
+
+
+def test_reconcile_did_not_happen_lets_it_run_once_more(ledger: twiceshy.Ledger) -> None:
+    """A reconciler that finds nothing releases the intent; the next call runs exactly once."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=lambda key, args: twiceshy.DidNotHappen())
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        if len(runs) == 1:
+            raise TimeoutError
+        return "ch_2"
+
+    with twiceshy.run("run-13"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            charge(7)
+        assert charge(7) == "ch_2"
+        assert charge(7) == "ch_2"
+    assert runs == [7, 7]
+
+
+def test_reconcile_that_cannot_tell_keeps_the_doubt(ledger: twiceshy.Ledger) -> None:
+    """A reconciler that cannot tell (None, or failing) leaves OutcomeUnknown; nothing reruns."""
+    runs: list[int] = []
+
+    def broken(key: str, args: Any) -> None:
+        raise RuntimeError("provider API down")
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=broken)
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        raise TimeoutError
+
+    with twiceshy.run("run-14"):
+        for _ in range(3):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                charge(7)
+    assert runs == [7]
+
+
+def test_safe_tool_retries_transient_errors_and_is_not_recorded(
+    ledger: twiceshy.Ledger, store: MemoryStore
+) -> None:
+    """A SAFE tool is retried on errors and runs on every call; nothing is kept in the ledger."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.SAFE, attempts=3, backoff=no_backoff)
+    def search(q: str) -> int:
+        runs.append(1)
+        if len(runs) % 2 == 1:
+            raise ConnectionError("reset")
+        return len(runs)
+
+    assert search("x") == 2
+    assert search("x") == 4
+    assert store.records("") == []
+
+
+def test_safe_tool_with_record_replays(ledger: twiceshy.Ledger) -> None:
+    """A SAFE tool with record=True replays within a run."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.SAFE, record=True)
+    def fetch(url: str) -> int:
+        runs.append(1)
+        return len(runs)
+
+    with twiceshy.run("run-15"):
+        assert fetch("u") == fetch("u") == 1
+
+
+def test_result_without_json_form_is_refused_and_recorded(ledger: twiceshy.Ledger) -> None:
+    """A result with no JSON form raises ResultNotStorable; a retry replays that, never reruns."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def make() -> object:
+        runs.append(1)
+        return object()
+
+    with twiceshy.run("run-16"):
+        with pytest.raises(twiceshy.ResultNotStorable):
+            make()
+        with pytest.raises(twiceshy.ReplayedError, match="ResultNotStorable"):
+            make()
+    assert runs == [1]
+
+
+def test_result_over_the_size_bound_is_refused(ledger: twiceshy.Ledger) -> None:
+    """A result larger than max_result_bytes raises ResultNotStorable."""
+
+    @ledger.tool(effect=twiceshy.KEYED, max_result_bytes=1000)
+    def make() -> str:
+        return "x" * 2000
+
+    with twiceshy.run("run-17"), pytest.raises(twiceshy.ResultNotStorable, match="1000"):
+        make()
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """A dataclass result."""
+
+    id: str
+    amount: Decimal
+    tags: tuple[str, ...]
+
+
+class Receipt(pydantic.BaseModel):
+    """A pydantic result."""
+
+    charge: str
+    total: int
+
+
+def test_annotated_results_are_rebuilt_on_replay(ledger: twiceshy.Ledger) -> None:
+    """Dataclass and pydantic results replay as equal values of their annotated types."""
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: str) -> Charge:
+        return Charge("ch_1", Decimal(amount), ("a", "b"))
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def receipt(charge: str) -> Receipt:
+        return Receipt(charge=charge, total=3)
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charges(n: int) -> list[Charge]:
+        return [Charge(f"ch_{i}", Decimal("1.5"), ()) for i in range(n)]
+
+    with twiceshy.run("run-18"):
+        first = charge("10.50")
+        again = charge("10.50")
+        assert again == first
+        assert isinstance(again, Charge)
+        assert receipt("ch_1") == receipt("ch_1") == Receipt(charge="ch_1", total=3)
+        listed = charges(2)
+        assert charges(2) == listed
+        assert all(isinstance(c, Charge) for c in charges(2))
+
+
+def test_async_tools_replay_and_join(ledger: twiceshy.Ledger) -> None:
+    """Async tools replay, and concurrent duplicate tasks share one execution."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    async def charge(amount: int) -> str:
+        runs.append(amount)
+        await asyncio.sleep(0.05)
+        return f"ch_{amount}"
+
+    async def main() -> list[str]:
+        with twiceshy.run("run-19"):
+            results = await asyncio.gather(*(charge(3) for _ in range(20)))
+            results.append(await charge(3))
+            return list(results)
+
+    assert asyncio.run(main()) == ["ch_3"] * 21
+    assert runs == [3]
+
+
+def test_async_tool_missing_scope_refused() -> None:
+    """An async tool called outside a scope raises MissingScope and never runs."""
+    ledger = twiceshy.Ledger("memory://")
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    async def act(x: int) -> int:
+        runs.append(x)
+        return x
+
+    with pytest.raises(twiceshy.MissingScope):
+        asyncio.run(act(1))
+    assert runs == []
+
+
+def test_thread_duplicates_share_one_execution(ledger: twiceshy.Ledger) -> None:
+    """Many threads calling one intent at once: one execution, every caller the same result."""
+    runs: list[int] = []
+    barrier = threading.Barrier(16)
+    results: list[object] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def charge(amount: int) -> dict[str, Any]:
+        runs.append(amount)
+        time.sleep(0.05)
+        return {"id": "ch_1"}
+
+    def caller() -> None:
+        with twiceshy.run("run-20"):
+            barrier.wait()
+            results.append(charge(1))
+
+    threads = [threading.Thread(target=caller) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert runs == [1]
+    assert results == [{"id": "ch_1"}] * 16
+
+
+def test_duplicate_on_another_ledger_waits_for_the_outcome(store: MemoryStore) -> None:
+    """A duplicate through another ledger on the same store waits and gets the winner's result."""
+    first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def body(who: str) -> str:
+        runs.append(who)
+        started.set()
+        release.wait(5)
+        return f"done by {who}"
+
+    slow_a = first.tool(effect=twiceshy.UNSAFE, name="slow")(lambda: body("a"))
+    slow_b = second.tool(effect=twiceshy.UNSAFE, name="slow")(lambda: body("b"))
+    out: list[str] = []
+
+    def run_a() -> None:
+        with twiceshy.run("run-21"):
+            out.append(slow_a())
+
+    thread = threading.Thread(target=run_a)
+    thread.start()
+    assert started.wait(5)
+    threading.Timer(0.1, release.set).start()
+    with twiceshy.run("run-21"):
+        assert slow_b() == "done by a"
+    thread.join(5)
+    assert out == ["done by a"]
+    assert runs == ["a"]
+
+
+def test_duplicate_gives_in_progress_after_its_wait(store: MemoryStore) -> None:
+    """A duplicate that outwaits wait= gets InProgress, and does not run the work."""
+    first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def body() -> str:
+        runs.append("x")
+        started.set()
+        release.wait(5)
+        return "ok"
+
+    slow_a = first.tool(effect=twiceshy.UNSAFE, name="slow")(body)
+    slow_b = second.tool(effect=twiceshy.UNSAFE, name="slow", wait=0.1)(body)
+
+    def run_a() -> None:
+        with twiceshy.run("run-22"):
+            slow_a()
+
+    thread = threading.Thread(target=run_a)
+    thread.start()
+    assert started.wait(5)
+    with twiceshy.run("run-22"), pytest.raises(twiceshy.InProgress):
+        slow_b()
+    release.set()
+    thread.join(5)
+    assert runs == ["x"]
+
+
+def test_lapsed_lease_keyed_is_taken_over_with_a_higher_fence(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """A KEYED claim whose owner vanished is taken over once its lease lapses (fence + 1)."""
+    ledger = twiceshy.Ledger(store=store)
+    key = twiceshy.idempotency_key("run-23", "charge", {"amount": 1})
+    store.claim(
+        "",
+        key,
+        fingerprint=_fingerprint("charge", {"amount": 1}),
+        tool="charge",
+        effect=twiceshy.KEYED,
+        owner="crashed-owner",
+        lease=30,
+    )
+    keys: list[str | None] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, lease=30, wait=0.05)
+    def charge(amount: int) -> str:
+        keys.append(twiceshy.current_key())
+        return "ch_1"
+
+    with twiceshy.run("run-23"):
+        with pytest.raises(twiceshy.InProgress):
+            charge(1)
+        clock.advance(31)
+        assert charge(1) == "ch_1"
+    record = store.get("", key).record
+    assert record is not None
+    assert (record.state, record.fence) == (twiceshy.State.SUCCEEDED, 2)
+    assert keys == [key]
+
+
+def test_lapsed_lease_unsafe_becomes_unknown_and_never_runs(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """An UNSAFE claim whose owner vanished becomes UNKNOWN after the lease; the tool never runs."""
+    ledger = twiceshy.Ledger(store=store)
+    key = twiceshy.idempotency_key("run-24", "wire", {"amount": 1})
+    store.claim(
+        "",
+        key,
+        fingerprint=_fingerprint("wire", {"amount": 1}),
+        tool="wire",
+        effect=twiceshy.UNSAFE,
+        owner="crashed-owner",
+        lease=30,
+    )
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, lease=30, wait=0.05)
+    def wire(amount: int) -> str:
+        runs.append(amount)
+        return "ok"
+
+    with twiceshy.run("run-24"):
+        clock.advance(31)
+        with pytest.raises(twiceshy.OutcomeUnknown, match="stopped without recording"):
+            wire(1)
+    assert runs == []
+    record = store.get("", key).record
+    assert record is not None
+    assert record.state is twiceshy.State.UNKNOWN
+
+
+def test_stale_owner_cannot_record_after_a_takeover(store: MemoryStore, clock: Clock) -> None:
+    """An owner paused past its lease is fenced out; it returns the new owner's outcome (G4)."""
+    first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
+    started, release = threading.Event(), threading.Event()
+    keys: list[str | None] = []
+
+    def body(who: str) -> str:
+        keys.append(twiceshy.current_key())
+        if who == "stale":
+            started.set()
+            release.wait(5)
+        return f"result of {who}"
+
+    stale = first.tool(effect=twiceshy.KEYED, name="charge", lease=30)(lambda: body("stale"))
+    fresh = second.tool(effect=twiceshy.KEYED, name="charge", lease=30)(lambda: body("fresh"))
+    out: list[str] = []
+
+    def run_stale() -> None:
+        with twiceshy.run("run-25"):
+            out.append(stale())
+
+    thread = threading.Thread(target=run_stale)
+    thread.start()
+    assert started.wait(5)
+    clock.advance(31)  # the stale owner's lease lapses on the store's clock
+    with twiceshy.run("run-25"):
+        assert fresh() == "result of fresh"
+    release.set()
+    thread.join(5)
+    assert out == ["result of fresh"]
+    assert len(keys) == 2
+    assert len(set(keys)) == 1
+    key = keys[0]
+    assert key is not None
+    record = store.get("", key).record
+    assert record is not None
+    assert (record.state, record.fence, record.result) == (
+        twiceshy.State.SUCCEEDED,
+        2,
+        '"result of fresh"',
+    )
+
+
+def test_retention_is_explicit(ledger: twiceshy.Ledger, store: MemoryStore, clock: Clock) -> None:
+    """Outcomes replay until their ttl, then a late retry runs again; UNKNOWN never expires."""
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, ttl=3600)
+    def charge(amount: int) -> int:
+        runs.append("charge")
+        return len(runs)
+
+    @ledger.tool(effect=twiceshy.UNSAFE, ttl=3600)
+    def wire(amount: int) -> int:
+        runs.append("wire")
+        raise TimeoutError
+
+    with twiceshy.run("run-26"):
+        assert charge(1) == 1
+        clock.advance(3599)
+        assert charge(1) == 1
+        clock.advance(2)
+        assert charge(1) == 2
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            wire(1)
+        clock.advance(10 * 365 * 86400)
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            wire(1)
+    assert runs == ["charge", "charge", "wire"]
+
+
+def test_namespaces_never_meet(store: MemoryStore) -> None:
+    """The same intent in two namespaces runs once in each."""
+    runs: list[str] = []
+    tools = []
+    for ns in ("tenant-a", "tenant-b"):
+        ledger = twiceshy.Ledger(store=store, namespace=ns)
+        tools.append(
+            ledger.tool(effect=twiceshy.KEYED, name="act")(lambda ns=ns: runs.append(ns) or ns)
+        )
+    with twiceshy.run("run-27"):
+        assert [t() for t in tools] == ["tenant-a", "tenant-b"]
+        assert [t() for t in tools] == ["tenant-a", "tenant-b"]
+    assert runs == ["tenant-a", "tenant-b"]
+
+
+def test_configuration_errors_are_refused_at_decoration() -> None:
+    """Bad options fail when the tool is defined, not when it is called."""
+    ledger = twiceshy.Ledger("memory://")
+
+    def f(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError):
+        ledger.tool(effect="keyed")(f)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exactly once"):
+        ledger.tool(effect=twiceshy.UNSAFE, attempts=3)(f)
+    with pytest.raises(ValueError, match="does not have"):
+        ledger.tool(effect=twiceshy.KEYED, key_args=["y"])(f)
+    with pytest.raises(ValueError, match=":"):
+        ledger.tool(effect=twiceshy.KEYED, name="a:b")(f)
+    with pytest.raises(ValueError, match="record="):
+        ledger.tool(effect=twiceshy.KEYED, record=True)(f)
+    with pytest.raises(ValueError, match="unknown ledger URL"):
+        twiceshy.Ledger("ftp://nowhere")
+
+
+def test_public_surface_is_listed_and_importable() -> None:
+    """twiceshy.__all__ names every public object once, and each exists."""
+    assert len(set(twiceshy.__all__)) == len(twiceshy.__all__)
+    for name in twiceshy.__all__:
+        assert hasattr(twiceshy, name), name
+    public = {
+        n for n in vars(twiceshy) if not n.startswith("_") and n not in {"errors", "stores"}
+    }
+    assert public <= set(twiceshy.__all__)
+
+
+def _fingerprint(tool: str, args: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{tool}:{twiceshy.canonical_json(args)}".encode()).hexdigest()

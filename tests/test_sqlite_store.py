@@ -1,0 +1,433 @@
+"""What the SQLite store promises beyond the contract: settings, files, and races for real."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from twiceshy._records import Change, Effect, Snapshot, State
+from twiceshy.errors import StoreError, StoreUnavailable
+from twiceshy.stores import open_store
+from twiceshy.stores.sqlite import SQLiteStore, has_wal_reset_bug
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Barrier
+
+NS = "ns"
+KEY = "key"
+BUGGY = has_wal_reset_bug(sqlite3.sqlite_version_info)
+
+
+def _claim(store: SQLiteStore, owner: str, key: str = KEY, lease: float = 60.0) -> Snapshot:
+    return store.claim(
+        NS, key, fingerprint="fp", tool="charge", effect=Effect.KEYED, owner=owner, lease=lease
+    )
+
+
+def _file_journal_mode(path: Path) -> str:
+    conn = sqlite3.connect(path)
+    try:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    """A path for a ledger file that does not exist yet."""
+    return tmp_path / "state" / "ledger.db"
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "buggy"),
+    [
+        ((3, 7, 0), True),
+        ((3, 40, 1), True),
+        ((3, 44, 5), True),
+        ((3, 44, 6), False),
+        ((3, 44, 9), False),
+        ((3, 45, 0), True),
+        ((3, 50, 6), True),
+        ((3, 50, 7), False),
+        ((3, 51, 0), True),
+        ((3, 51, 2), True),
+        ((3, 51, 3), False),
+        ((3, 52, 0), False),
+        ((4, 0, 0), False),
+    ],
+)
+def test_wal_reset_bug_versions(version: tuple[int, int, int], buggy: bool) -> None:
+    """The WAL-reset bug is recognised exactly in the affected SQLite releases."""
+    assert has_wal_reset_bug(version) is buggy
+
+
+def test_default_journal_mode_falls_back_on_buggy_sqlite(db: Path) -> None:
+    """By default the store picks DELETE on a SQLite with the WAL-reset bug, else WAL."""
+    store = SQLiteStore(db)
+    try:
+        expected = "delete" if BUGGY else "wal"
+        assert store.journal_mode == expected
+        assert _file_journal_mode(db) == expected
+    finally:
+        store.close()
+
+
+def test_this_machine_gets_the_rollback_journal(db: Path) -> None:
+    """This machine's SQLite has the WAL-reset bug, so the rollback journal runs here."""
+    if not BUGGY:
+        pytest.skip(f"SQLite {sqlite3.sqlite_version} is fixed")
+    store = SQLiteStore(db)
+    try:
+        assert store.journal_mode == "delete"
+    finally:
+        store.close()
+
+
+def test_wal_when_forced(db: Path) -> None:
+    """journal_mode='wal' forces WAL, even on a SQLite with the WAL-reset bug."""
+    store = SQLiteStore(db, journal_mode="WAL")
+    try:
+        assert store.journal_mode == "wal"
+        assert _file_journal_mode(db) == "wal"
+        assert _claim(store, "alice").won
+    finally:
+        store.close()
+
+
+def test_synchronous_is_full_by_default(db: Path) -> None:
+    """Every connection runs with synchronous=FULL unless told otherwise."""
+    store = SQLiteStore(db)
+    try:
+        assert store.synchronous == "FULL"
+        with store._connection() as conn:
+            assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+            assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
+    finally:
+        store.close()
+
+
+def test_from_url_paths_and_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sqlite:///rel is relative, sqlite:////abs absolute; query parameters become settings."""
+    monkeypatch.chdir(tmp_path)
+    relative = SQLiteStore.from_url("sqlite:///rel/ledger.db")
+    try:
+        assert relative.path == "rel/ledger.db"
+        assert (tmp_path / "rel" / "ledger.db").is_file()
+    finally:
+        relative.close()
+    absolute = tmp_path / "abs dir" / "ledger.db"
+    url = f"sqlite:///{absolute}?journal_mode=wal&synchronous=extra&busy_timeout=2.5"
+    assert url.startswith("sqlite:////")
+    store = SQLiteStore.from_url(url)
+    try:
+        assert store.path == str(absolute)
+        assert store.journal_mode == "wal"
+        assert store.synchronous == "EXTRA"
+        with store._connection() as conn:
+            assert conn.execute("PRAGMA synchronous").fetchone()[0] == 3
+            assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2_500
+    finally:
+        store.close()
+
+
+def test_open_store_builds_sqlite(tmp_path: Path) -> None:
+    """open_store('sqlite:///...') answers an SQLiteStore and its async twin."""
+    blocking, twin = open_store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        assert isinstance(blocking, SQLiteStore)
+        assert _claim(blocking, "alice").won
+    finally:
+        blocking.close()
+    del twin
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite://",
+        "sqlite:///",
+        "sqlite://host/ledger.db",
+        "sqlite:///ledger.db?cache=shared",
+        "sqlite:///ledger.db?busy_timeout=soon",
+        "sqlite:///ledger.db?synchronous=full&synchronous=off",
+        "sqlite:///:memory:",
+        "postgresql:///ledger",
+    ],
+)
+def test_from_url_refuses_bad_urls(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL with no file, a host, or an unknown parameter is refused before opening anything."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"."):
+        SQLiteStore.from_url(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"synchronous": "sometimes"}, {"journal_mode": "off"}, {"journal_mode": "memory"}],
+)
+def test_bad_settings_are_refused(db: Path, settings: dict[str, Any]) -> None:
+    """Settings that would weaken the ledger or mean nothing are refused."""
+    with pytest.raises(ValueError, match=r"."):
+        SQLiteStore(db, **settings)
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def test_unreachable_path_raises_at_construction(tmp_path: Path) -> None:
+    """A path under a regular file cannot be created: StoreUnavailable, chained, at once."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(StoreUnavailable) as caught:
+        SQLiteStore(blocker / "ledger.db")
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+def test_unopenable_file_raises_at_construction(tmp_path: Path) -> None:
+    """A path SQLite cannot open raises StoreUnavailable chained from the sqlite3 error."""
+    directory = tmp_path / "ledger.db"
+    directory.mkdir()
+    with pytest.raises(StoreUnavailable) as caught:
+        SQLiteStore(directory)
+    assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+
+
+def test_not_a_database_raises_store_error(tmp_path: Path) -> None:
+    """A file that is not a database raises StoreError chained from the driver."""
+    path = tmp_path / "ledger.db"
+    path.write_bytes(b"definitely not sqlite" * 500)
+    with pytest.raises(StoreError) as caught:
+        SQLiteStore(path)
+    assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
+
+
+def test_schema_version_is_recorded_and_checked(db: Path) -> None:
+    """The file records schema version 1; a file of another version is refused."""
+    SQLiteStore(db).close()
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        row = conn.execute("SELECT value FROM twiceshy_meta WHERE name = 'schema_version'")
+        assert row.fetchone()[0] == "1"
+        conn.execute("UPDATE twiceshy_meta SET value = '2' WHERE name = 'schema_version'")
+    finally:
+        conn.close()
+    with pytest.raises(StoreError, match="schema version"):
+        SQLiteStore(db)
+
+
+def test_two_stores_on_one_file_see_each_other(db: Path) -> None:
+    """Two store objects on one file share records, and a waiter sees the other's write."""
+    first, second = SQLiteStore(db), SQLiteStore(db)
+    try:
+        claimed = _claim(first, "alice").record
+        assert second.get(NS, KEY).record == claimed
+        assert not _claim(second, "bob").won
+
+        def settle() -> None:
+            time.sleep(0.05)
+            change = Change(
+                1, frozenset({State.CLAIMED}), State.SUCCEEDED, owner="alice", result="7"
+            )
+            assert first.write(NS, KEY, change).won
+
+        worker = threading.Thread(target=settle)
+        started = time.monotonic()
+        worker.start()
+        try:
+            snap = second.wait(NS, KEY, 1, timeout=10.0)
+        finally:
+            worker.join()
+        assert snap.record is not None
+        assert snap.record.result == "7"
+        assert time.monotonic() - started < 1.0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_busy_file_raises_unavailable_and_leaves_no_transaction(db: Path) -> None:
+    """A writer locked out past busy_timeout gets StoreUnavailable; the store then recovers."""
+    store = SQLiteStore(db, busy_timeout=0.1)
+    blocker = sqlite3.connect(db, isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(StoreUnavailable) as caught:
+            _claim(store, "alice")
+        assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+        blocker.execute("ROLLBACK")
+        assert _claim(store, "alice").won
+        # The pool holds no connection with a transaction left open.
+        with store._connection() as conn:
+            assert not conn.in_transaction
+    finally:
+        blocker.close()
+        store.close()
+
+
+def test_closed_store_refuses_operations(db: Path) -> None:
+    """After close, every operation raises StoreError; closing twice is harmless."""
+    store = SQLiteStore(db)
+    store.close()
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.get(NS, KEY)
+
+
+# -- races ----------------------------------------------------------------------------------
+
+
+def _thread_race(store: SQLiteStore, key: str, threads: int) -> list[Snapshot]:
+    barrier = threading.Barrier(threads)
+    snaps: list[Snapshot | None] = [None] * threads
+
+    def run(i: int) -> None:
+        barrier.wait(timeout=10)
+        snaps[i] = _claim(store, f"owner-{i}", key=key)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=30)
+    assert all(snap is not None for snap in snaps)
+    return [snap for snap in snaps if snap is not None]
+
+
+def test_thread_race_has_exactly_one_winner(db: Path) -> None:
+    """16 threads released together claim one key: exactly one wins, all see its record."""
+    store = SQLiteStore(db)
+    try:
+        for trial in range(5):
+            snaps = _thread_race(store, f"key-{trial}", 16)
+            winners = [snap.record.owner for snap in snaps if snap.won and snap.record]
+            assert len(winners) == 1
+            assert {(s.record.owner, s.record.fence) for s in snaps if s.record} == {
+                (winners[0], 1)
+            }
+            assert len(snaps) == 16
+    finally:
+        store.close()
+
+
+def _race_worker(
+    paths: list[str],
+    start: Barrier,
+    go: Barrier,
+    results: Queue[tuple[Any, ...]],
+    owner: str,
+) -> None:
+    for trial, path in enumerate(paths):
+        try:
+            start.wait(timeout=20)
+            store = SQLiteStore(path)  # opening races too: schema creation, pragmas
+            try:
+                go.wait(timeout=20)
+                snap = _claim(store, owner)
+                record = snap.record
+                assert record is not None
+                results.put((trial, owner, snap.won, record.owner, record.fence))
+            finally:
+                store.close()
+        except BaseException as exc:
+            start.abort()
+            go.abort()
+            results.put((trial, owner, "error", repr(exc), None))
+            return
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_process_race_has_exactly_one_winner(tmp_path: Path) -> None:
+    """8 processes released by a barrier claim one key, over 20 fresh files: one winner each."""
+    processes, trials = 8, 20
+    ctx = multiprocessing.get_context("fork")
+    paths = [str(tmp_path / f"race-{trial}" / "ledger.db") for trial in range(trials)]
+    start, go = ctx.Barrier(processes), ctx.Barrier(processes)
+    results: Queue[tuple[Any, ...]] = ctx.Queue()
+    workers = [
+        ctx.Process(target=_race_worker, args=(paths, start, go, results, f"p{i}"))
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        answers = [results.get(timeout=30) for _ in range(processes * trials)]
+        for worker in workers:
+            worker.join(timeout=10)
+            assert worker.exitcode == 0
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+        results.close()
+        results.join_thread()
+    errors = [a for a in answers if a[2] == "error"]
+    assert errors == []
+    for trial in range(trials):
+        got = [a for a in answers if a[0] == trial]
+        assert len(got) == processes
+        winners = [owner for _, owner, won, _, _ in got if won]
+        assert len(winners) == 1, (trial, got)
+        assert {(record_owner, fence) for _, _, _, record_owner, fence in got} == {(winners[0], 1)}
+        store = SQLiteStore(paths[trial])
+        try:
+            record = store.get(NS, KEY).record
+            assert record is not None
+            assert record.owner == winners[0]
+        finally:
+            store.close()
+
+
+def _child_claims(store: SQLiteStore, results: Queue[tuple[Any, ...]]) -> None:
+    try:
+        snap = _claim(store, "child", key="from-child")
+        results.put((snap.won, store._pid == os.getpid()))
+    except BaseException as exc:
+        results.put(("error", repr(exc)))
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_forked_child_opens_its_own_connections(db: Path) -> None:
+    """A store inherited across fork works in the child on fresh connections."""
+    store = SQLiteStore(db)
+    try:
+        assert _claim(store, "parent").won  # the pool now holds a parent connection
+        ctx = multiprocessing.get_context("fork")
+        results: Queue[tuple[Any, ...]] = ctx.Queue()
+        child = ctx.Process(target=_child_claims, args=(store, results))
+        child.start()
+        try:
+            assert results.get(timeout=20) == (True, True)
+            child.join(timeout=10)
+            assert child.exitcode == 0
+        finally:
+            if child.is_alive():
+                child.terminate()
+                child.join(timeout=5)
+            results.close()
+            results.join_thread()
+        snap = store.get(NS, "from-child")
+        assert snap.record is not None
+        assert snap.record.owner == "child"
+        assert store._pid == os.getpid()
+    finally:
+        store.close()
