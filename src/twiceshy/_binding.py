@@ -14,7 +14,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._canonical import canonical_json
+from ._canonical import canonical_json, idempotency_key
+from .errors import UnkeyableValue
 
 __all__ = ["Binder", "BoundCall"]
 
@@ -33,10 +34,27 @@ class BoundCall:
     keyed: dict[str, Any]
     explicit_key: str | None
 
-    def fingerprint(self, tool: str) -> str:
-        """The SHA-256 of the tool name and the full canonical arguments."""
-        text = f"{tool}:{canonical_json(self.arguments)}"
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    def identity(self, scope: str | None, tool: str) -> tuple[str | None, str]:
+        """The intent's key (``None`` without a scope) and the full arguments' fingerprint.
+
+        The key is :func:`~twiceshy.idempotency_key` of ``(scope, tool, keyed)``; the fingerprint
+        is the SHA-256 of ``f"{tool}:{canonical_json(arguments)}"``. The canonical text is made
+        once when the key is not narrowed.
+
+        Raises:
+            UnkeyableArgument: an argument has no canonical form, or the scope cannot be hashed.
+        """
+        text = canonical_json(self.arguments)
+        fingerprint = hashlib.sha256(f"{tool}:{text}".encode()).hexdigest()
+        if scope is None:
+            return None, fingerprint
+        if self.keyed is not self.arguments:
+            return idempotency_key(scope, tool, self.keyed), fingerprint
+        try:
+            data = f"{scope}:{tool}:{text}".encode()
+        except UnicodeEncodeError:
+            raise UnkeyableValue("scope", f"contains a lone surrogate: {scope!r}") from None
+        return hashlib.sha256(data).hexdigest(), fingerprint
 
 
 class Binder:
@@ -55,7 +73,17 @@ class Binder:
             both are given.
     """
 
-    __slots__ = ("_ignored", "_injected", "_key_param", "_keyed", "_signature")
+    __slots__ = (
+        "_count",
+        "_defaults",
+        "_ignored",
+        "_injected",
+        "_key_param",
+        "_keyed",
+        "_positional",
+        "_signature",
+        "_simple",
+    )
 
     def __init__(
         self,
@@ -80,6 +108,15 @@ class Binder:
         )
         self._keyed = frozenset(key_args) if key_args is not None else None
         self._ignored = frozenset(ignore_args)
+        params = list(self._signature.parameters.values())
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        # Most tools take plain named parameters: bind those without inspect's general machinery.
+        self._simple = all(p.kind in plain for p in params)
+        self._positional = tuple(
+            p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        self._count = len(params)
 
     @property
     def key_param(self) -> str | None:
@@ -92,17 +129,20 @@ class Binder:
         Raises:
             TypeError: the arguments do not fit the signature.
         """
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
+        named = self._bind_simple(args, kwargs) if self._simple else None
+        if named is None:
+            bound = self._signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            named = bound.arguments
         explicit = None
         if self._key_param is not None:
-            given = bound.arguments.get(self._key_param)
+            given = named.get(self._key_param)
             if given is not None:
                 if not isinstance(given, str) or not given:
                     raise TypeError(f"{self._key_param} must be a non-empty string")
                 explicit = given
         arguments: dict[str, Any] = {}
-        for name, value in bound.arguments.items():
+        for name, value in named.items():
             if name in self._injected:
                 continue
             kind = self._signature.parameters[name].kind
@@ -116,12 +156,36 @@ class Binder:
             keyed = arguments
         return BoundCall(arguments, keyed, explicit)
 
+    def _bind_simple(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Bind plain named parameters; ``None`` sends the call to ``inspect`` for its error."""
+        if len(args) > len(self._positional):
+            return None
+        named = dict(zip(self._positional, args, strict=False))
+        for name, value in kwargs.items():
+            if name in named or name not in self._signature.parameters:
+                return None
+            named[name] = value
+        if len(named) < self._count:
+            for name, default in self._defaults.items():
+                named.setdefault(name, default)
+            if len(named) < self._count:
+                return None
+        return named
+
     def call_args(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments to run the tool with, the key injected through its key parameter."""
         if self._key_param is None:
             return args, dict(kwargs)
+        if self._simple:
+            if self._key_param in self._positional:
+                index = self._positional.index(self._key_param)
+                if index < len(args):
+                    return (*args[:index], key, *args[index + 1 :]), dict(kwargs)
+            return args, {**kwargs, self._key_param: key}
         bound = self._signature.bind(*args, **kwargs)
         bound.arguments[self._key_param] = key
         return bound.args, bound.kwargs

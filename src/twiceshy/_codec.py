@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import datetime as dt
 import enum
+import inspect
 import json
 import types
 import typing
@@ -26,6 +27,11 @@ __all__ = ["MAX_RESULT_BYTES", "ResultCodec", "decode_error", "encode_error"]
 
 MAX_RESULT_BYTES = 1_048_576
 """The default bound on a stored result's JSON text, in UTF-8 bytes."""
+
+
+_AS_IS: frozenset[Any] = frozenset(
+    {None, Any, object, str, int, bool, dict, list, type(None), inspect.Signature.empty}
+)
 
 
 def _to_json(value: Any) -> Any:
@@ -61,7 +67,8 @@ class ResultCodec:
     __slots__ = ("_annotation", "_max_bytes")
 
     def __init__(self, annotation: Any = None, *, max_bytes: int = MAX_RESULT_BYTES) -> None:
-        self._annotation = annotation
+        # JSON's own types come back from json.loads as they are: nothing to rebuild.
+        self._annotation = None if annotation in _AS_IS else annotation
         self._max_bytes = max_bytes
 
     def encode(self, value: object) -> str:

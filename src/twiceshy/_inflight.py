@@ -23,12 +23,16 @@ log = logging.getLogger("twiceshy")
 class Flight:
     """One execution of an intent in this process, which duplicates join (threads and tasks)."""
 
-    __slots__ = ("_done", "_error", "_lock", "_value", "_waiters", "fingerprint")
+    __slots__ = ("_done", "_error", "_landed", "_lock", "_value", "_waiters", "fingerprint")
 
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
-        self._done = threading.Event()
+        # Held until the flight lands: a blocking waiter acquires it (and passes it on at once).
+        # A bare lock is much cheaper to make than an Event, and most flights have no waiter.
+        self._done = threading.Lock()
+        self._done.acquire()
         self._lock = threading.Lock()
+        self._landed = False
         self._value: Any = None
         self._error: BaseException | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
@@ -37,21 +41,27 @@ class Flight:
         """Record the outcome and wake every joined caller."""
         with self._lock:
             self._value, self._error = value, error
-            self._done.set()
+            self._landed = True
             waiters, self._waiters = self._waiters, []
+        self._done.release()
         for loop, future in waiters:
             loop.call_soon_threadsafe(_resolve, future)
 
     def wait(self, timeout: float) -> bool:
         """Block until the flight lands; ``False`` on timeout."""
-        return self._done.wait(max(timeout, 0.0))
+        if self._landed:
+            return True
+        if not self._done.acquire(timeout=max(timeout, 0.0)):
+            return False
+        self._done.release()
+        return True
 
     async def wait_async(self, timeout: float) -> bool:
         """Await the flight's landing; ``False`` on timeout."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
-            if self._done.is_set():
+            if self._landed:
                 return True
             self._waiters.append((loop, future))
         try:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -19,13 +21,13 @@ from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, BoundCall
-from ._canonical import idempotency_key
 from ._codec import MAX_RESULT_BYTES, ResultCodec
 from ._inflight import Flights, Heartbeat
 from ._protocol import (
     CallPlan,
     Claim,
     Now,
+    Policy,
     Protocol,
     Ran,
     Reconcile,
@@ -71,22 +73,27 @@ def _seconds(value: Duration, name: str) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ToolOptions:
-    """How one tool is protected; built once by :meth:`Ledger.tool`."""
+    """How one tool is protected; built once by :meth:`Ledger.tool`.
 
-    name: str
-    effect: Effect
+    Attributes:
+        policy: what the protocol needs to know about the tool.
+        recorded: whether calls go through the ledger (every KEYED and UNSAFE tool; SAFE
+            tools with ``record=True``).
+        reconcile: the tool's reconciler, if any.
+        scope: derives the scope from the arguments when no ``twiceshy.run`` is active.
+        binder: binds calls to the tool's signature.
+    """
+
+    policy: Policy
     recorded: bool
-    lease: float
-    wait: float
-    ttl: float | None
-    attempts: int
-    backoff: Callable[[int], float]
-    definite: tuple[type[BaseException], ...]
-    not_applied: tuple[type[BaseException], ...]
     reconcile: Reconciler | None
     scope: Callable[[Mapping[str, Any]], str] | None
     binder: Binder
-    codec: ResultCodec
+
+    @property
+    def name(self) -> str:
+        """The tool's name in keys."""
+        return self.policy.tool
 
 
 class Ledger:
@@ -131,6 +138,12 @@ class Ledger:
         self.namespace = namespace
         self._flights = Flights()
         self._heartbeat = Heartbeat(self.store)
+        self._owner_prefix = secrets.token_hex(8)
+        self._owner_count = itertools.count(1)
+
+    def _owner_token(self) -> str:
+        """A token no other call shares: this ledger's random prefix, the process, a counter."""
+        return f"{self._owner_prefix}.{os.getpid()}.{next(self._owner_count)}"
 
     def __repr__(self) -> str:
         return f"Ledger({self.url!r}, namespace={self.namespace!r})"
@@ -219,16 +232,20 @@ class Ledger:
             except Exception:
                 hints = {}
             options = ToolOptions(
-                name=name or fn.__name__,
-                effect=effect,
+                policy=Policy(
+                    tool=name or fn.__name__,
+                    effect=effect,
+                    lease=lease_s,
+                    wait=_seconds(wait, "wait"),
+                    ttl=None if ttl is None else _seconds(ttl, "ttl"),
+                    attempts=attempts,
+                    backoff=backoff or exponential_backoff(),
+                    definite=tuple(definite),
+                    not_applied=tuple(not_applied),
+                    codec=ResultCodec(hints.get("return"), max_bytes=max_result_bytes),
+                    reconcile=reconcile is not None,
+                ),
                 recorded=effect is not Effect.SAFE or bool(record),
-                lease=lease_s,
-                wait=_seconds(wait, "wait"),
-                ttl=None if ttl is None else _seconds(ttl, "ttl"),
-                attempts=attempts,
-                backoff=backoff or exponential_backoff(),
-                definite=tuple(definite),
-                not_applied=tuple(not_applied),
                 reconcile=reconcile,
                 scope=scope,
                 binder=Binder(
@@ -238,7 +255,6 @@ class Ledger:
                     key_args=key_args,
                     ignore_args=ignore_args,
                 ),
-                codec=ResultCodec(hints.get("return"), max_bytes=max_result_bytes),
             )
             if ":" in options.name:
                 raise ValueError(f"a tool name must not contain ':' ({options.name!r})")
@@ -258,43 +274,28 @@ class Ledger:
     ) -> tuple[CallPlan, BoundCall]:
         """Bind, key and plan one call; every refusal happens here, before anything runs."""
         bound = options.binder.bind(args, kwargs)
-        fingerprint = bound.fingerprint(options.name)
         if bound.explicit_key is not None:
-            key = bound.explicit_key
+            key, fingerprint = bound.explicit_key, bound.identity(None, options.name)[1]
         else:
             scope = current_scope()
             if scope is None and options.scope is not None:
                 scope = options.scope(bound.arguments)
-            if not scope:
+            if not scope or not isinstance(scope, str):
                 raise MissingScope(
                     f"the tool {options.name!r} was called outside any twiceshy.run(...) scope; "
                     "wrap the agent's run in `with twiceshy.run(run_id):` so retries of one "
                     "intent share a key"
                 )
-            key = idempotency_key(scope, options.name, bound.keyed)
-        plan = CallPlan(
-            namespace=self.namespace,
-            key=key,
-            fingerprint=fingerprint,
-            tool=options.name,
-            effect=options.effect,
-            owner=secrets.token_hex(16),
-            lease=options.lease,
-            wait=options.wait,
-            ttl=options.ttl,
-            attempts=options.attempts,
-            backoff=options.backoff,
-            definite=options.definite,
-            not_applied=options.not_applied,
-            codec=options.codec,
-            reconcile=options.reconcile is not None,
-        )
+            derived, fingerprint = bound.identity(scope, options.name)
+            assert derived is not None
+            key = derived
+        plan = CallPlan(options.policy, self.namespace, key, fingerprint, self._owner_token())
         return plan, bound
 
     @staticmethod
     def _mismatch(plan: CallPlan) -> KeyReuseMismatch:
         return KeyReuseMismatch(
-            f"the key {plan.key} is in use by a running call of {plan.tool!r} with other "
+            f"the key {plan.key} is in use by a running call of {plan.policy.tool!r} with other "
             "arguments; this call did not run"
         )
 
@@ -304,15 +305,15 @@ class Ledger:
         @functools.wraps(fn)
         def protected(*args: Any, **kwargs: Any) -> Any:
             if not options.recorded:
-                plain = retry_only(options.attempts, options.backoff, options.definite)
+                plain = retry_only(options.policy)
                 return self._drive(plain, fn, args, kwargs, options, None)
             plan, bound = self._plan(options, args, kwargs)
             flight, leader = self._flights.join(plan.namespace, plan.key, plan.fingerprint)
             if not leader:
                 if flight.fingerprint != plan.fingerprint:
                     raise self._mismatch(plan)
-                if not flight.wait(plan.wait):
-                    raise InProgress(plan.tool, plan.key)
+                if not flight.wait(plan.policy.wait):
+                    raise InProgress(plan.policy.tool, plan.key)
                 return flight.outcome()
             try:
                 value = self._drive(protect(plan), fn, args, kwargs, options, plan, bound)
@@ -352,10 +353,10 @@ class Ledger:
                     ns,
                     plan.key,
                     fingerprint=plan.fingerprint,
-                    tool=plan.tool,
-                    effect=plan.effect,
+                    tool=plan.policy.tool,
+                    effect=plan.policy.effect,
                     owner=plan.owner,
-                    lease=plan.lease,
+                    lease=plan.policy.lease,
                 )
             elif isinstance(command, Run):
                 answer = self._run_sync(fn, args, kwargs, options, plan, command)
@@ -388,7 +389,9 @@ class Ledger:
             except Exception as exc:
                 return Ran(error=exc)
         call_args, call_kwargs = options.binder.call_args(args, kwargs, plan.key)
-        job = self._heartbeat.start(plan.namespace, plan.key, command.fence, plan.owner, plan.lease)
+        job = self._heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+        )
         token = set_key(plan.key)
         try:
             value = fn(*call_args, **call_kwargs)
@@ -407,15 +410,15 @@ class Ledger:
         @functools.wraps(fn)
         async def protected(*args: Any, **kwargs: Any) -> Any:
             if not options.recorded:
-                plain = retry_only(options.attempts, options.backoff, options.definite)
+                plain = retry_only(options.policy)
                 return await self._adrive(plain, fn, args, kwargs, options, None)
             plan, bound = self._plan(options, args, kwargs)
             flight, leader = self._flights.join(plan.namespace, plan.key, plan.fingerprint)
             if not leader:
                 if flight.fingerprint != plan.fingerprint:
                     raise self._mismatch(plan)
-                if not await flight.wait_async(plan.wait):
-                    raise InProgress(plan.tool, plan.key)
+                if not await flight.wait_async(plan.policy.wait):
+                    raise InProgress(plan.policy.tool, plan.key)
                 return flight.outcome()
             try:
                 value = await self._adrive(protect(plan), fn, args, kwargs, options, plan, bound)
@@ -455,10 +458,10 @@ class Ledger:
                     ns,
                     plan.key,
                     fingerprint=plan.fingerprint,
-                    tool=plan.tool,
-                    effect=plan.effect,
+                    tool=plan.policy.tool,
+                    effect=plan.policy.effect,
                     owner=plan.owner,
-                    lease=plan.lease,
+                    lease=plan.policy.lease,
                 )
             elif isinstance(command, Run):
                 answer = await self._run_async(fn, args, kwargs, options, plan, command)
@@ -497,7 +500,9 @@ class Ledger:
             except Exception as exc:
                 return Ran(error=exc)
         call_args, call_kwargs = options.binder.call_args(args, kwargs, plan.key)
-        job = self._heartbeat.start(plan.namespace, plan.key, command.fence, plan.owner, plan.lease)
+        job = self._heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+        )
         token = set_key(plan.key)
         try:
             value = await fn(*call_args, **call_kwargs)

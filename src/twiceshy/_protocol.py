@@ -37,6 +37,7 @@ __all__ = [
     "DidNotHappen",
     "Happened",
     "Now",
+    "Policy",
     "Ran",
     "Reconcile",
     "Run",
@@ -189,15 +190,11 @@ def exponential_backoff(
 
 
 @dataclass(frozen=True, slots=True)
-class CallPlan:
-    """Everything the protocol needs to know about one call."""
+class Policy:
+    """How one tool is protected: fixed when the tool is decorated, shared by its calls."""
 
-    namespace: str
-    key: str
-    fingerprint: str
     tool: str
     effect: Effect
-    owner: str
     lease: float
     wait: float
     ttl: float | None
@@ -209,6 +206,17 @@ class CallPlan:
     reconcile: bool
 
 
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """One call: its tool's policy, and the names it goes by in the ledger."""
+
+    policy: Policy
+    namespace: str
+    key: str
+    fingerprint: str
+    owner: str
+
+
 class _Kind(enum.Enum):
     NOT_APPLIED = "not applied"
     DEFINITE = "definite"
@@ -216,9 +224,11 @@ class _Kind(enum.Enum):
 
 
 def _classify(plan: CallPlan, error: BaseException) -> _Kind:
-    if isinstance(error, NotApplied) or (plan.not_applied and isinstance(error, plan.not_applied)):
+    if isinstance(error, NotApplied) or (
+        plan.policy.not_applied and isinstance(error, plan.policy.not_applied)
+    ):
         return _Kind.NOT_APPLIED
-    if plan.definite and isinstance(error, plan.definite):
+    if plan.policy.definite and isinstance(error, plan.policy.definite):
         return _Kind.DEFINITE
     return _Kind.AMBIGUOUS
 
@@ -226,7 +236,7 @@ def _classify(plan: CallPlan, error: BaseException) -> _Kind:
 def _replay_error(plan: CallPlan, text: str | None) -> BaseException:
     """The recorded failure as an exception: its own type where it can be rebuilt."""
     type_name, message = decode_error(text)
-    for kind in plan.definite:
+    for kind in plan.policy.definite:
         if f"{kind.__module__}.{kind.__qualname__}" == type_name:
             try:
                 return kind(message)
@@ -242,7 +252,7 @@ def _describe(error: BaseException) -> str:
 def protect(plan: CallPlan) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error."""
     started = yield Now()
-    wait_until = started + plan.wait
+    wait_until = started + plan.policy.wait
     snap: Snapshot = yield Claim()
     reconciled = False
     for _ in range(MAX_STEPS):
@@ -264,17 +274,17 @@ def protect(plan: CallPlan) -> Protocol:
         state = record.state
         if state is State.SUCCEEDED:
             assert record.result is not None
-            return plan.codec.decode(record.result)
+            return plan.policy.codec.decode(record.result)
         if state is State.FAILED:
             raise _replay_error(plan, record.error)
         if state is State.RELEASED:
             snap = yield Write(
-                _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.lease)
+                _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
             )
             continue
         if state is State.CLAIMED:
             lapsed = record.lease_deadline is not None and record.lease_deadline <= snap.now
-            if lapsed and plan.effect is Effect.UNSAFE:
+            if lapsed and plan.policy.effect is Effect.UNSAFE:
                 reason = "the call's owner stopped without recording an outcome"
                 snap = yield Write(
                     _change(Actor.CALLER, record, _U, lapsed=True, reason=reason, error=None)
@@ -288,32 +298,34 @@ def protect(plan: CallPlan) -> Protocol:
                         _C,
                         lapsed=True,
                         new_owner=plan.owner,
-                        lease=plan.lease,
+                        lease=plan.policy.lease,
                     )
                 )
                 continue
             now = yield Now()
             left = wait_until - now
             if left <= 0:
-                raise InProgress(plan.tool, plan.key)
+                raise InProgress(plan.policy.tool, plan.key)
             until_lapse = (record.lease_deadline or snap.now) - snap.now
             snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
             continue
         # UNKNOWN
-        if plan.reconcile and not reconciled:
+        if plan.policy.reconcile and not reconciled:
             reconciled = True
             answer = yield Reconcile()
             if isinstance(answer, Happened):
-                text = plan.codec.encode(answer.result)
-                snap = yield Write(_change(Actor.RECONCILER, record, _S, result=text, ttl=plan.ttl))
+                text = plan.policy.codec.encode(answer.result)
+                snap = yield Write(
+                    _change(Actor.RECONCILER, record, _S, result=text, ttl=plan.policy.ttl)
+                )
                 continue
             if isinstance(answer, DidNotHappen):
-                snap = yield Write(_change(Actor.RECONCILER, record, _R, ttl=plan.ttl))
+                snap = yield Write(_change(Actor.RECONCILER, record, _R, ttl=plan.policy.ttl))
                 continue
-        if plan.effect is Effect.UNSAFE:
-            raise OutcomeUnknown(plan.tool, plan.key, record.reason or "")
+        if plan.policy.effect is Effect.UNSAFE:
+            raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
         snap = yield Write(
-            _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.lease)
+            _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
         )
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
 
@@ -331,7 +343,7 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
         error = ran.error
         if error is None:
             try:
-                text = plan.codec.encode(ran.value)
+                text = plan.policy.codec.encode(ran.value)
             except ResultNotStorable as exc:
                 snap = yield Write(
                     _change(
@@ -341,7 +353,7 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                         also_from=finish_from,
                         owner=plan.owner,
                         error=encode_error(exc),
-                        ttl=plan.ttl,
+                        ttl=plan.policy.ttl,
                     )
                 )
                 if snap.won:
@@ -355,13 +367,15 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                     also_from=finish_from,
                     owner=plan.owner,
                     result=text,
-                    ttl=plan.ttl,
+                    ttl=plan.policy.ttl,
                 )
             )
             return (True, ran.value, snap) if snap.won else (False, None, snap)
         kind = _classify(plan, error)
         if kind is _Kind.NOT_APPLIED:
-            snap = yield Write(_change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.ttl))
+            snap = yield Write(
+                _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
+            )
             if snap.won:
                 raise error
             return False, None, snap
@@ -374,14 +388,14 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                     also_from=finish_from,
                     owner=plan.owner,
                     error=encode_error(error),
-                    ttl=plan.ttl,
+                    ttl=plan.policy.ttl,
                 )
             )
             if snap.won:
                 raise error
             return False, None, snap
         # Ambiguous: the work may have taken effect.
-        if plan.effect is Effect.UNSAFE:
+        if plan.policy.effect is Effect.UNSAFE:
             snap = yield Write(
                 _change(
                     Actor.OWNER,
@@ -393,15 +407,20 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                 )
             )
             if snap.won:
-                raise OutcomeUnknown(plan.tool, plan.key, _describe(error)) from error
+                raise OutcomeUnknown(plan.policy.tool, plan.key, _describe(error)) from error
             return False, None, snap
-        if attempt < plan.attempts:
-            yield Sleep(plan.backoff(attempt))
+        if attempt < plan.policy.attempts:
+            yield Sleep(plan.policy.backoff(attempt))
             # Count the attempt in the record and renew the lease before running again: the
             # write also proves this caller still owns the fence.
             snap = yield Write(
                 _change(
-                    Actor.OWNER, record, _C, owner=plan.owner, lease=plan.lease, count_attempt=True
+                    Actor.OWNER,
+                    record,
+                    _C,
+                    owner=plan.owner,
+                    lease=plan.policy.lease,
+                    count_attempt=True,
                 )
             )
             if not snap.won:
@@ -410,7 +429,7 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
             record = snap.record
             attempt += 1
             continue
-        if plan.effect is Effect.KEYED:
+        if plan.policy.effect is Effect.KEYED:
             # Attempts ran out: the next call runs it again with the same key.
             snap = yield Write(
                 _change(
@@ -423,17 +442,15 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                 )
             )
         else:
-            snap = yield Write(_change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.ttl))
+            snap = yield Write(
+                _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
+            )
         if snap.won:
             raise error
         return False, None, snap
 
 
-def retry_only(
-    attempts: int,
-    backoff: Callable[[int], float],
-    definite: tuple[type[BaseException], ...],
-) -> Protocol:
+def retry_only(policy: Policy) -> Protocol:
     """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors."""
     attempt = 1
     while True:
@@ -441,8 +458,10 @@ def retry_only(
         if ran.error is None:
             return ran.value
         error = ran.error
-        permanent = isinstance(error, NotApplied) or (definite and isinstance(error, definite))
-        if permanent or attempt >= attempts:
+        permanent = isinstance(error, NotApplied) or (
+            policy.definite and isinstance(error, policy.definite)
+        )
+        if permanent or attempt >= policy.attempts:
             raise error
-        yield Sleep(backoff(attempt))
+        yield Sleep(policy.backoff(attempt))
         attempt += 1
