@@ -1,4 +1,8 @@
-"""The ledger's promises to a tool's caller, on the memory store (DESIGN.md §3 to §5, §7)."""
+"""The ledger's promises to a tool's caller, on every store (DESIGN.md §3 to §5, §7).
+
+The ``store`` and ``clock`` fixtures (``conftest.py``) run each test on every store kind, with
+a store clock that moves only when a test says so.
+"""
 
 from __future__ import annotations
 
@@ -14,34 +18,11 @@ import pydantic
 import pytest
 
 import twiceshy
-from twiceshy.stores.memory import MemoryStore
-
-
-class Clock:
-    """A store clock that moves only when told."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from twiceshy.stores import Store
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(clock: Clock) -> MemoryStore:
-    return MemoryStore(clock=clock)
-
-
-@pytest.fixture
-def ledger(store: MemoryStore) -> twiceshy.Ledger:
+def ledger(store: Store) -> twiceshy.Ledger:
     return twiceshy.Ledger(store=store)
 
 
@@ -250,7 +231,7 @@ def test_keyed_ambiguous_error_is_retried_in_place_with_the_same_key(
 
 
 def test_keyed_attempts_exhausted_runs_again_with_the_same_key(
-    ledger: twiceshy.Ledger, store: MemoryStore
+    ledger: twiceshy.Ledger, store: Store
 ) -> None:
     """When attempts run out the record is UNKNOWN and the next call runs with the same key."""
     keys: list[str | None] = []
@@ -277,9 +258,7 @@ def test_keyed_attempts_exhausted_runs_again_with_the_same_key(
     assert keys == [key, key, key]
 
 
-def test_unsafe_ambiguous_error_is_never_rerun(
-    ledger: twiceshy.Ledger, store: MemoryStore
-) -> None:
+def test_unsafe_ambiguous_error_is_never_rerun(ledger: twiceshy.Ledger, store: Store) -> None:
     """An UNSAFE tool that times out gives OutcomeUnknown, now and on every retry; it runs once."""
     runs: list[int] = []
 
@@ -424,7 +403,7 @@ def test_reconcile_that_cannot_tell_keeps_the_doubt(ledger: twiceshy.Ledger) -> 
 
 
 def test_safe_tool_retries_transient_errors_and_is_not_recorded(
-    ledger: twiceshy.Ledger, store: MemoryStore
+    ledger: twiceshy.Ledger, store: Store
 ) -> None:
     """A SAFE tool is retried on errors and runs on every call; nothing is kept in the ledger."""
     runs: list[int] = []
@@ -585,7 +564,7 @@ def test_thread_duplicates_share_one_execution(ledger: twiceshy.Ledger) -> None:
     assert results == [{"id": "ch_1"}] * 16
 
 
-def test_duplicate_on_another_ledger_waits_for_the_outcome(store: MemoryStore) -> None:
+def test_duplicate_on_another_ledger_waits_for_the_outcome(store: Store) -> None:
     """A duplicate through another ledger on the same store waits and gets the winner's result."""
     first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
     started, release = threading.Event(), threading.Event()
@@ -616,7 +595,7 @@ def test_duplicate_on_another_ledger_waits_for_the_outcome(store: MemoryStore) -
     assert runs == ["a"]
 
 
-def test_duplicate_gives_in_progress_after_its_wait(store: MemoryStore) -> None:
+def test_duplicate_gives_in_progress_after_its_wait(store: Store) -> None:
     """A duplicate that outwaits wait= gets InProgress, and does not run the work."""
     first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
     started, release = threading.Event(), threading.Event()
@@ -645,9 +624,7 @@ def test_duplicate_gives_in_progress_after_its_wait(store: MemoryStore) -> None:
     assert runs == ["x"]
 
 
-def test_lapsed_lease_keyed_is_taken_over_with_a_higher_fence(
-    store: MemoryStore, clock: Clock
-) -> None:
+def test_lapsed_lease_keyed_is_taken_over_with_a_higher_fence(store: Store, clock: Any) -> None:
     """A KEYED claim whose owner vanished is taken over once its lease lapses (fence + 1)."""
     ledger = twiceshy.Ledger(store=store)
     key = twiceshy.idempotency_key("run-23", "charge", {"amount": 1})
@@ -678,9 +655,7 @@ def test_lapsed_lease_keyed_is_taken_over_with_a_higher_fence(
     assert keys == [key]
 
 
-def test_lapsed_lease_unsafe_becomes_unknown_and_never_runs(
-    store: MemoryStore, clock: Clock
-) -> None:
+def test_lapsed_lease_unsafe_becomes_unknown_and_never_runs(store: Store, clock: Any) -> None:
     """An UNSAFE claim whose owner vanished becomes UNKNOWN after the lease; the tool never runs."""
     ledger = twiceshy.Ledger(store=store)
     key = twiceshy.idempotency_key("run-24", "wire", {"amount": 1})
@@ -710,7 +685,7 @@ def test_lapsed_lease_unsafe_becomes_unknown_and_never_runs(
     assert record.state is twiceshy.State.UNKNOWN
 
 
-def test_stale_owner_cannot_record_after_a_takeover(store: MemoryStore, clock: Clock) -> None:
+def test_stale_owner_cannot_record_after_a_takeover(store: Store, clock: Any) -> None:
     """An owner paused past its lease is fenced out; it returns the new owner's outcome (G4)."""
     first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
     started, release = threading.Event(), threading.Event()
@@ -753,7 +728,7 @@ def test_stale_owner_cannot_record_after_a_takeover(store: MemoryStore, clock: C
     )
 
 
-def test_retention_is_explicit(ledger: twiceshy.Ledger, store: MemoryStore, clock: Clock) -> None:
+def test_retention_is_explicit(ledger: twiceshy.Ledger, store: Store, clock: Any) -> None:
     """Outcomes replay until their ttl, then a late retry runs again; UNKNOWN never expires."""
     runs: list[str] = []
 
@@ -781,7 +756,7 @@ def test_retention_is_explicit(ledger: twiceshy.Ledger, store: MemoryStore, cloc
     assert runs == ["charge", "charge", "wire"]
 
 
-def test_namespaces_never_meet(store: MemoryStore) -> None:
+def test_namespaces_never_meet(store: Store) -> None:
     """The same intent in two namespaces runs once in each."""
     runs: list[str] = []
     tools = []
@@ -822,9 +797,7 @@ def test_public_surface_is_listed_and_importable() -> None:
     assert len(set(twiceshy.__all__)) == len(twiceshy.__all__)
     for name in twiceshy.__all__:
         assert hasattr(twiceshy, name), name
-    public = {
-        n for n in vars(twiceshy) if not n.startswith("_") and n not in {"errors", "stores"}
-    }
+    public = {n for n in vars(twiceshy) if not n.startswith("_") and n not in {"errors", "stores"}}
     assert public <= set(twiceshy.__all__)
 
 

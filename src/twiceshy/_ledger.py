@@ -55,6 +55,15 @@ Duration = float | timedelta
 Reconciler = Callable[[str, Mapping[str, Any]], Any]
 
 
+def _for_joiners(plan: CallPlan, error: BaseException) -> BaseException:
+    """What callers joined to a flight get when it ends in ``error``.
+
+    An interruption of the leader (``KeyboardInterrupt``, a cancelled task) is the leader's own
+    business: the joined callers learn only that the call did not finish here.
+    """
+    return error if isinstance(error, Exception) else InProgress(plan.policy.tool, plan.key)
+
+
 def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any]) -> Any:
     """Ask a reconciler; a reconciler that fails cannot tell, and the doubt stands."""
     try:
@@ -318,7 +327,7 @@ class Ledger:
             try:
                 value = self._drive(protect(plan), fn, args, kwargs, options, plan, bound)
             except BaseException as exc:
-                self._flights.land(plan.namespace, plan.key, flight, None, exc)
+                self._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
                 raise
             self._flights.land(plan.namespace, plan.key, flight, value, None)
             return value
@@ -423,7 +432,7 @@ class Ledger:
             try:
                 value = await self._adrive(protect(plan), fn, args, kwargs, options, plan, bound)
             except BaseException as exc:
-                self._flights.land(plan.namespace, plan.key, flight, None, exc)
+                self._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
                 raise
             self._flights.land(plan.namespace, plan.key, flight, value, None)
             return value
