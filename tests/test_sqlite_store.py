@@ -329,11 +329,13 @@ def _race_worker(
     go: Barrier,
     results: Queue[tuple[Any, ...]],
     owner: str,
+    journal_mode: str | None,
 ) -> None:
     for trial, path in enumerate(paths):
         try:
             start.wait(timeout=20)
-            store = SQLiteStore(path)  # opening races too: schema creation, pragmas
+            # Opening races too: journal mode, schema creation.
+            store = SQLiteStore(path, journal_mode=journal_mode)
             try:
                 go.wait(timeout=20)
                 snap = _claim(store, owner)
@@ -353,15 +355,19 @@ def _race_worker(
 @pytest.mark.skipif(
     "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
 )
-def test_process_race_has_exactly_one_winner(tmp_path: Path) -> None:
-    """8 processes released by a barrier claim one key, over 20 fresh files: one winner each."""
+@pytest.mark.parametrize("journal_mode", [None, "wal"], ids=["default", "wal"])
+def test_process_race_has_exactly_one_winner(tmp_path: Path, journal_mode: str | None) -> None:
+    """8 processes released by a barrier open one fresh file and claim one key: one winner.
+
+    Repeated over 20 files, in the default journal mode and in WAL.
+    """
     processes, trials = 8, 20
     ctx = multiprocessing.get_context("fork")
     paths = [str(tmp_path / f"race-{trial}" / "ledger.db") for trial in range(trials)]
     start, go = ctx.Barrier(processes), ctx.Barrier(processes)
     results: Queue[tuple[Any, ...]] = ctx.Queue()
     workers = [
-        ctx.Process(target=_race_worker, args=(paths, start, go, results, f"p{i}"))
+        ctx.Process(target=_race_worker, args=(paths, start, go, results, f"p{i}", journal_mode))
         for i in range(processes)
     ]
     for worker in workers:
@@ -429,5 +435,19 @@ def test_forked_child_opens_its_own_connections(db: Path) -> None:
         assert snap.record is not None
         assert snap.record.owner == "child"
         assert store._pid == os.getpid()
+    finally:
+        store.close()
+
+
+def test_text_that_is_not_utf8_raises_store_error(db: Path) -> None:
+    """A lone surrogate cannot be stored as UTF-8: StoreError, and the record is unchanged."""
+    store = SQLiteStore(db)
+    try:
+        record = _claim(store, "alice").record
+        change = Change(1, frozenset({State.CLAIMED}), State.SUCCEEDED, result='"\ud800"')
+        with pytest.raises(StoreError) as caught:
+            store.write(NS, KEY, change)
+        assert isinstance(caught.value.__cause__, UnicodeEncodeError)
+        assert store.get(NS, KEY).record == record
     finally:
         store.close()

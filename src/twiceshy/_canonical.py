@@ -224,7 +224,7 @@ def _datetime_text(x: datetime.datetime) -> str:
 # the recursive pass; every _emit* appends to `out` and returns what is left of the budget
 
 
-def _emit(v: Any, out: list[str], room: int, budget: int) -> int:
+def _emit(v: Any, out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
     """Append the canonical text of any value; the entry point of the recursion."""
     t = type(v)
     if t is str:
@@ -240,80 +240,113 @@ def _emit(v: Any, out: list[str], room: int, budget: int) -> int:
         out.append(_float_text(v))
         return budget
     if t is dict:
-        return _emit_dict(v, out, room, budget)
+        return _emit_dict(v, out, room, budget, shapes)
     if t is list or t is tuple:
-        return _emit_list(v, out, room, budget)
+        return _emit_list(v, out, room, budget, shapes)
     if v is None:
         out.append("null")
         return budget
     if t is bool:
         out.append("true" if v else "false")
         return budget
-    return _emit_other(v, out, room, budget)
+    return _emit_other(v, out, room, budget, shapes)
 
 
-def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int) -> int:
-    """Append an exact dict; keys that are not plain ASCII str take the general mapping path."""
+def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
+    """Append an exact dict; mappings with keys other than str take the general path."""
     if room <= 0:
         raise _too_deep(d)
     if not d:
         out.append("{}")
         return budget
-    try:
-        keys = sorted(d)
-    except TypeError:  # keys of several types: let the general path refuse or convert them
-        return _emit_pairs(_mapping_pairs(d), out, room, budget, d)
-    for k in keys:
-        # Code-point order is UTF-16 order for ASCII keys; other keys take the slow path.
-        if type(k) is not str or not k.isascii():
-            return _emit_pairs(_mapping_pairs(d), out, room, budget, d)
-        budget -= len(k)
+    # Arguments often hold many dicts of one shape (rows, line items): sort and quote each
+    # shape's keys once per call.
+    shape = tuple(d)
+    plan = shapes.get(shape, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = shapes[shape] = _plan(shape)
+    if plan is None:
+        return _emit_pairs(_mapping_pairs(d), out, room, budget, d, shapes)
+    steps, key_chars = plan
+    budget -= key_chars
     if len(out) > budget:
         raise _too_large()
     room -= 1
     append = out.append
-    sep = "{"
-    it = iter(keys)
+    values = list(d.values())
+    it = iter(steps)
     while True:
         try:
-            for k in it:
-                x = d[k]
+            for i, p in it:
+                x = values[i]
                 t = type(x)
                 if t is str:
                     budget -= len(x)
                     if budget < 0:
                         raise _too_large()
-                    append(f"{sep}{_quote(k)}:{_quote(x)}")
+                    append(p + _quote(x))
                 elif t is int:
-                    append(f"{sep}{_quote(k)}:{x}")
+                    append(f"{p}{x}")
                 elif t is float:
-                    append(f"{sep}{_quote(k)}:{_float_text(x)}")
+                    r = f"{x!r}"
+                    if r[-1] == "0" or "e" in r or "n" in r:
+                        r = _float_text(x)
+                    append(p + r)
+                elif t is dict:
+                    append(p)
+                    budget = _emit_dict(x, out, room, budget, shapes)
+                elif t is list:
+                    append(p)
+                    budget = _emit_list(x, out, room, budget, shapes)
+                elif t is bool:
+                    append(p + ("true" if x else "false"))
+                elif x is None:
+                    append(p + "null")
                 else:
-                    append(f"{sep}{_quote(k)}:")
-                    if t is dict:
-                        budget = _emit_dict(x, out, room, budget)
-                    elif t is list:
-                        budget = _emit_list(x, out, room, budget)
-                    else:
-                        budget = _emit(x, out, room, budget)
-                sep = ","
+                    append(p)
+                    budget = _emit(x, out, room, budget, shapes)
         except ValueError:
             # An int past Python's int-to-str digit limit: write it exactly, then carry on with
             # the same iterator (keeping this off the per-item path costs nothing elsewhere).
             if type(x) is not int:
                 raise
-            append(f"{sep}{_quote(k)}:{_int_text(x)}")
-            sep = ","
+            append(p + _int_text(x))
             continue
         except _Refusal as refusal:
-            refusal.passing(_key_segment(k), d)
+            refusal.passing(_key_segment(shape[i]), d)
             raise
         break
     append("}")
     return budget
 
 
-def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget: int) -> int:
+_Plan = tuple[list[tuple[int, str]], int]
+_Shapes = dict[tuple[Any, ...], "_Plan | None"]
+_NO_PLAN: Final[Any] = object()
+
+
+def _plan(keys: tuple[Any, ...]) -> _Plan | None:
+    """How to write a dict whose keys are ``keys``, in insertion order; None if not all str.
+
+    The plan lists (position in insertion order, ``{"key":`` or ``,"key":``) in output order,
+    and the keys' total length.
+    """
+    for k in keys:
+        if type(k) is not str:
+            return None
+    if all(map(str.isascii, keys)):
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+    else:
+        order = sorted(range(len(keys)), key=lambda i: _utf16(keys[i]))
+        if len({_utf16(k) for k in keys}) < len(keys):  # a surrogate pair and its character
+            return None  # the general path names the collision
+    steps = [(i, f"{',' if n else '{'}{_quote(keys[i])}:") for n, i in enumerate(order)]
+    return steps, sum(map(len, keys))
+
+
+def _emit_list(
+    v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget: int, shapes: _Shapes
+) -> int:
     """Append an exact list or tuple."""
     if room <= 0:
         raise _too_deep(v)
@@ -338,13 +371,16 @@ def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget
                 elif t is int:
                     append(f"{sep}{x}")
                 elif t is float:
-                    append(sep + _float_text(x))
+                    r = f"{x!r}"
+                    if r[-1] == "0" or "e" in r or "n" in r:
+                        r = _float_text(x)
+                    append(sep + r)
+                elif t is dict:
+                    append(sep)
+                    budget = _emit_dict(x, out, room, budget, shapes)
                 else:
                     append(sep)
-                    if t is dict:
-                        budget = _emit_dict(x, out, room, budget)
-                    else:
-                        budget = _emit(x, out, room, budget)
+                    budget = _emit(x, out, room, budget, shapes)
                 sep = ","
         except ValueError:
             if type(x) is not int:  # see _emit_dict
@@ -361,7 +397,12 @@ def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget
 
 
 def _emit_pairs(
-    pairs: list[tuple[str, object]], out: list[str], room: int, budget: int, origin: object
+    pairs: list[tuple[str, object]],
+    out: list[str],
+    room: int,
+    budget: int,
+    origin: object,
+    shapes: _Shapes,
 ) -> int:
     """Append an object from (key text, value) pairs already sorted by UTF-16 code units.
 
@@ -382,7 +423,7 @@ def _emit_pairs(
     try:
         for k, x in pairs:
             out.append(f"{sep}{_quote(k)}:")
-            budget = _emit(x, out, room, budget)
+            budget = _emit(x, out, room, budget, shapes)
             sep = ","
     except _Refusal as refusal:
         refusal.passing(_key_segment(k), origin)
@@ -391,7 +432,9 @@ def _emit_pairs(
     return budget
 
 
-def _emit_set(v: set[object] | frozenset[object], out: list[str], room: int, budget: int) -> int:
+def _emit_set(
+    v: set[object] | frozenset[object], out: list[str], room: int, budget: int, shapes: _Shapes
+) -> int:
     """Append a set as an array of its members' canonical texts in UTF-16 order."""
     if room <= 0:
         raise _too_deep(v)
@@ -404,7 +447,7 @@ def _emit_set(v: set[object] | frozenset[object], out: list[str], room: int, bud
     try:
         for x in v:
             part: list[str] = []
-            budget = _emit(x, part, room - 1, budget)
+            budget = _emit(x, part, room - 1, budget, shapes)
             texts.append(_mend_surrogates("".join(part)))
     except _Refusal as refusal:
         refusal.passing("[?]", v)  # a set has no order to point into
@@ -417,13 +460,13 @@ def _emit_set(v: set[object] | frozenset[object], out: list[str], room: int, bud
     return budget
 
 
-def _emit_other(v: object, out: list[str], room: int, budget: int) -> int:
+def _emit_other(v: object, out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
     """Map every value that is not an exact JSON type, or refuse it."""
     # Enum first: IntEnum and StrEnum members are also ints and strs, but they stand for .value.
     if isinstance(v, enum.Enum):
-        return _emit(v.value, out, room, budget)
+        return _emit(v.value, out, room, budget, shapes)
     if isinstance(v, str):
-        return _emit(str.__str__(v), out, room, budget)
+        return _emit(str.__str__(v), out, room, budget, shapes)
     if isinstance(v, int):  # bool is handled (and can't be subclassed)
         out.append(_int_text(v))
         return budget
@@ -431,33 +474,33 @@ def _emit_other(v: object, out: list[str], room: int, budget: int) -> int:
         out.append(_float_text(v))
         return budget
     if isinstance(v, Mapping):
-        return _emit_pairs(_mapping_pairs(v), out, room, budget, v)
+        return _emit_pairs(_mapping_pairs(v), out, room, budget, v, shapes)
     if isinstance(v, (list, tuple)):
-        return _emit_list(v, out, room, budget)
+        return _emit_list(v, out, room, budget, shapes)
     if isinstance(v, (set, frozenset)):
-        return _emit_set(v, out, room, budget)
+        return _emit_set(v, out, room, budget, shapes)
     if isinstance(v, datetime.datetime):
-        return _emit(_datetime_text(v), out, room, budget)
+        return _emit(_datetime_text(v), out, room, budget, shapes)
     if isinstance(v, datetime.date):
-        return _emit(f"{v.year:04d}-{v.month:02d}-{v.day:02d}", out, room, budget)
+        return _emit(f"{v.year:04d}-{v.month:02d}-{v.day:02d}", out, room, budget, shapes)
     if isinstance(v, decimal.Decimal):
-        return _emit(_decimal_text(v, budget), out, room, budget)
+        return _emit(_decimal_text(v, budget), out, room, budget, shapes)
     if isinstance(v, uuid.UUID):
-        return _emit(uuid.UUID.__str__(v), out, room, budget)
+        return _emit(uuid.UUID.__str__(v), out, room, budget, shapes)
     if isinstance(v, (bytes, bytearray, memoryview)):
         data = bytes(v)
         if len(data) > budget:
             raise _too_large()
-        return _emit(base64.b64encode(data).decode("ascii"), out, room, budget)
+        return _emit(base64.b64encode(data).decode("ascii"), out, room, budget, shapes)
     if not isinstance(v, type):
         cls = type(v)
         if dataclasses.is_dataclass(v):
             fields = [(f.name, getattr(v, f.name)) for f in dataclasses.fields(v)]
-            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v)
+            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v, shapes)
         attrs = getattr(cls, "__attrs_attrs__", None)
         if attrs is not None:
             fields = [(a.name, getattr(v, a.name)) for a in attrs]
-            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v)
+            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v, shapes)
         if hasattr(cls, "model_fields") and callable(getattr(cls, "model_dump", None)):
             try:
                 dumped = v.model_dump(mode="python")  # type: ignore[attr-defined]
@@ -465,7 +508,7 @@ def _emit_other(v: object, out: list[str], room: int, budget: int) -> int:
                 raise _Refusal(
                     UnkeyableValue, f"model_dump() of a {_type_name(v)} failed: {exc}"
                 ) from exc
-            return _emit(dumped, out, room, budget)
+            return _emit(dumped, out, room, budget, shapes)
     raise _Refusal(UnkeyableType, f"cannot make a key from a {_type_name(v)}", v)
 
 
@@ -552,7 +595,7 @@ def _canonical(value: object, max_depth: int, max_bytes: int) -> tuple[str, byte
     """The canonical text, and its UTF-8 bytes when they had to be computed anyway."""
     out: list[str] = []
     try:
-        _emit(value, out, max_depth, max_bytes)
+        _emit(value, out, max_depth, max_bytes, {})
     except _Refusal as refusal:
         raise refusal.to_error(max_depth, max_bytes) from None
     except RecursionError:

@@ -204,6 +204,8 @@ _SYNCHRONOUS: Final = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
 _JOURNAL_MODES: Final = frozenset({"wal", "delete", "truncate", "persist"})
 _MIN_VERSION: Final = (3, 24, 0)  # INSERT ... ON CONFLICT DO UPDATE
 _IDLE_CONNECTIONS: Final = 4
+_SQLITE_BUSY: Final = 5
+_SQLITE_LOCKED: Final = 6
 _POLL_FIRST: Final = 0.001
 _POLL_CAP: Final = 0.025
 
@@ -211,8 +213,8 @@ _POLL_CAP: Final = 0.025
 _UNAVAILABLE_CODES: Final = frozenset(
     {
         3,  # SQLITE_PERM
-        5,  # SQLITE_BUSY (after the busy timeout)
-        6,  # SQLITE_LOCKED
+        _SQLITE_BUSY,  # after the busy timeout
+        _SQLITE_LOCKED,
         8,  # SQLITE_READONLY
         10,  # SQLITE_IOERR
         13,  # SQLITE_FULL
@@ -295,6 +297,15 @@ def _state_slots(states: Iterable[State]) -> dict[str, str | None]:
     values: list[str | None] = [s.value for s in frozenset(states)]
     values += [None] * (len(_STATE_SLOTS) - len(values))
     return dict(zip(_STATE_SLOTS, values, strict=True))
+
+
+def _drain(idle: queue.SimpleQueue[sqlite3.Connection]) -> None:
+    while True:
+        try:
+            conn = idle.get_nowait()
+        except queue.Empty:
+            return
+        conn.close()
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:
@@ -382,7 +393,6 @@ class SQLiteStore:
             raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
         conn = self._connect()
         try:
-            self.journal_mode = self._journal_mode_of(conn)
             self._create_schema(conn)
         except BaseException:
             conn.close()
@@ -445,19 +455,41 @@ class SQLiteStore:
         try:
             conn.execute(f"PRAGMA busy_timeout = {round(self._busy_timeout * 1000)}")
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
-            conn.execute(f"PRAGMA journal_mode = {self.journal_mode}").fetchall()
+            # What runs, which may differ from what was asked (WAL refused by the file system).
+            self.journal_mode = self._set_journal_mode(conn)
         except sqlite3.Error as exc:
             conn.close()
             raise _store_error(exc) from exc
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
-    def _journal_mode_of(self, conn: sqlite3.Connection) -> str:
-        try:
-            row = conn.execute("PRAGMA journal_mode").fetchone()
-        except sqlite3.Error as exc:
-            raise _store_error(exc) from exc
-        # WAL may be refused (e.g. a file system without shared memory); report what runs.
-        return str(row[0]).lower()
+    def _set_journal_mode(self, conn: sqlite3.Connection) -> str:
+        """Put the file in the chosen journal mode; answer the mode SQLite reports.
+
+        Switching the mode needs the file to itself, and SQLite answers ``SQLITE_BUSY`` at
+        once (no busy handler) when another process opens the file at that moment, so the
+        switch is retried with backoff within the busy timeout. A file already in the mode is
+        left alone: that is the common case and takes no lock beyond a read.
+        """
+        deadline = time.monotonic() + self._busy_timeout
+        delay = _POLL_FIRST
+        while True:
+            try:
+                mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+                if mode != self.journal_mode:
+                    query = f"PRAGMA journal_mode = {self.journal_mode}"
+                    # WAL may be refused (a file system without shared memory): the answer
+                    # is the mode that runs.
+                    mode = str(conn.execute(query).fetchone()[0]).lower()
+                return mode
+            except sqlite3.OperationalError as exc:
+                code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+                if code not in (_SQLITE_BUSY, _SQLITE_LOCKED) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_CAP)
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         try:
@@ -495,8 +527,10 @@ class SQLiteStore:
         idle = self._pool()
         if self._closed or idle.qsize() >= _IDLE_CONNECTIONS:
             conn.close()
-        else:
-            idle.put(conn)
+            return
+        idle.put(conn)
+        if self._closed:  # close() ran meanwhile and may have missed this one
+            _drain(idle)
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
@@ -513,6 +547,11 @@ class SQLiteStore:
             _rollback_quietly(conn)
             conn.close()
             raise _store_error(exc) from exc
+        except UnicodeEncodeError as exc:
+            # sqlite3 stores text as strict UTF-8: a lone surrogate cannot be written.
+            _rollback_quietly(conn)
+            conn.close()
+            raise StoreError(f"SQLite ledger cannot store text that is not UTF-8: {exc}") from exc
         except BaseException:
             _rollback_quietly(conn)
             conn.close()
@@ -601,7 +640,7 @@ class SQLiteStore:
             record = self._read(conn, namespace, key)
         if inserted:
             self._notify()
-        if record is None or not is_live(record, now):  # pragma: no cover - defensive
+        if record is None or not is_live(record, now):  # cannot happen: the row was just read
             raise StoreError(f"SQLite ledger lost the claim of {namespace!r}/{key!r}")
         won = inserted or (record.state is State.CLAIMED and record.owner == owner)
         return Snapshot(record, now, won)
@@ -712,13 +751,7 @@ class SQLiteStore:
     def close(self) -> None:
         """Close the idle connections; connections in use close when given back."""
         self._closed = True
-        idle = self._pool()
-        while True:
-            try:
-                conn = idle.get_nowait()
-            except queue.Empty:
-                return
-            conn.close()
+        _drain(self._pool())
 
 
 def _url_settings(params: Mapping[str, str], url: str) -> dict[str, Any]:
