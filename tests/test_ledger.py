@@ -805,3 +805,25 @@ def _fingerprint(tool: str, args: dict[str, Any]) -> str:
     import hashlib
 
     return hashlib.sha256(f"{tool}:{twiceshy.canonical_json(args)}".encode()).hexdigest()
+
+
+def test_results_with_lone_surrogates_are_kept(ledger: twiceshy.Ledger) -> None:
+    """A result holding a lone surrogate (no UTF-8 form) is stored escaped and replays equal."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def odd() -> dict[str, str]:
+        runs.append(1)
+        return {"text": "a\ud800b", "emoji": "\U0001f600"}
+
+    with twiceshy.run("run-28"):
+        assert odd() == odd() == {"text": "a\ud800b", "emoji": "\U0001f600"}
+    assert runs == [1]
+
+
+def test_a_new_owner_always_gets_a_lease() -> None:
+    """A Change that hands a record to a new owner must set its lease (else it could never lapse)."""
+    with pytest.raises(ValueError, match="lease"):
+        twiceshy.Change(
+            1, frozenset({twiceshy.State.RELEASED}), twiceshy.State.CLAIMED, new_owner="x"
+        )

@@ -381,14 +381,19 @@ def test_random_histories_follow_reference(
                 assert fields(snap.record) == fields(live)
             continue
         base = model.fence if model is not None else 1
+        to = data.draw(st.sampled_from(list(State)), label="to")
+        new_owner = (
+            data.draw(st.none() | _owners, label="new owner") if to is State.CLAIMED else None
+        )
+        leases = [5.0, LEASE] if new_owner is not None else [None, 5.0, LEASE]
         change = Change(
             fence=data.draw(st.sampled_from([base - 1, base, base + 1]), label="fence"),
             from_states=data.draw(st.frozensets(st.sampled_from(list(State))), label="from"),
-            to=data.draw(st.sampled_from(list(State)), label="to"),
+            to=to,
             owner=data.draw(st.none() | _owners, label="guard owner"),
             lapsed=data.draw(st.booleans(), label="lapsed"),
-            new_owner=data.draw(st.none() | _owners, label="new owner"),
-            lease=data.draw(st.sampled_from([None, 5.0, LEASE]), label="lease"),
+            new_owner=new_owner,
+            lease=data.draw(st.sampled_from(leases), label="lease"),
             count_attempt=data.draw(st.booleans(), label="count"),
             result=data.draw(_texts, label="result"),
             error=data.draw(_texts, label="error"),

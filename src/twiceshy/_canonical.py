@@ -273,12 +273,11 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes
         raise _too_large()
     room -= 1
     append = out.append
-    values = list(d.values())
     it = iter(steps)
     while True:
         try:
-            for i, p in it:
-                x = values[i]
+            for k, p in it:
+                x = d[k]
                 t = type(x)
                 if t is str:
                     budget -= len(x)
@@ -313,34 +312,47 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes
             append(p + _int_text(x))
             continue
         except _Refusal as refusal:
-            refusal.passing(_key_segment(shape[i]), d)
+            refusal.passing(_key_segment(k), d)
             raise
         break
     append("}")
     return budget
 
 
-_Plan = tuple[list[tuple[int, str]], int]
-_Shapes = dict[tuple[Any, ...], "_Plan | None"]
+_Plan = list[tuple[str, str]]
+_Shapes = dict[tuple[Any, ...], "tuple[_Plan, int] | None"]
 _NO_PLAN: Final[Any] = object()
 
 
-def _plan(keys: tuple[Any, ...]) -> _Plan | None:
-    """How to write a dict whose keys are ``keys``, in insertion order; None if not all str.
+def _plan(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
+    """How to write the keys of a dict: None unless they are all str.
 
-    The plan lists (position in insertion order, ``{"key":`` or ``,"key":``) in output order,
-    and the keys' total length.
+    The plan lists (key, ``{"key":`` or ``,"key":``) in output order; with it comes the keys'
+    total length.
     """
-    for k in keys:
+    try:
+        ordered = sorted(keys)
+    except TypeError:
+        return None
+    steps = []
+    sep = "{"
+    for k in ordered:
         if type(k) is not str:
             return None
-    if all(map(str.isascii, keys)):
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-    else:
-        order = sorted(range(len(keys)), key=lambda i: _utf16(keys[i]))
-        if len({_utf16(k) for k in keys}) < len(keys):  # a surrogate pair and its character
-            return None  # the general path names the collision
-    steps = [(i, f"{',' if n else '{'}{_quote(keys[i])}:") for n, i in enumerate(order)]
+        if not k.isascii():  # code-point order is UTF-16 order only for ASCII
+            return _plan_utf16(keys)
+        steps.append((k, f"{sep}{_quote(k)}:"))
+        sep = ","
+    return steps, sum(map(len, keys))
+
+
+def _plan_utf16(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
+    if not all(type(k) is str for k in keys):
+        return None
+    ordered = sorted(keys, key=_utf16)
+    if len({_utf16(k) for k in keys}) < len(keys):  # a surrogate pair and its character
+        return None  # the general path names the collision
+    steps = [(k, f"{',' if n else '{'}{_quote(k)}:") for n, k in enumerate(ordered)]
     return steps, sum(map(len, keys))
 
 

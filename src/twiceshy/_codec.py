@@ -83,7 +83,15 @@ class ResultCodec:
             )
         except (TypeError, ValueError, RecursionError) as exc:
             raise ResultNotStorable(f"the tool's result cannot be stored as JSON: {exc}") from exc
-        if len(text) > self._max_bytes // 4 and len(text.encode("utf-8")) > self._max_bytes:
+        size = len(text)
+        if not text.isascii():
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError:
+                # A lone surrogate has no UTF-8 form: keep it as a \udxxx escape instead.
+                text = json.dumps(value, default=_to_json, allow_nan=False, separators=(",", ":"))
+                size = len(text)
+        if size > self._max_bytes:
             raise ResultNotStorable(
                 f"the tool's result is larger than the bound of {self._max_bytes} bytes"
             )
@@ -163,10 +171,8 @@ def _rebuild(data: Any, hint: Any) -> Any:
 def encode_error(exc: BaseException) -> str:
     """The JSON text kept for a failed call: the error's type and message."""
     kind = type(exc)
-    return json.dumps(
-        {"type": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc)},
-        ensure_ascii=False,
-    )
+    # ASCII escapes keep any text storable, lone surrogates included.
+    return json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc)})
 
 
 def decode_error(text: str | None) -> tuple[str, str]:

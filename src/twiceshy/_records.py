@@ -124,6 +124,11 @@ class Change:
     reason: str | None = None
     ttl: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.new_owner is not None and (self.to is not State.CLAIMED or self.lease is None):
+            # A new owner without a deadline could never lapse, nor be taken over.
+            raise ValueError("a new owner takes a CLAIMED record with lease=")
+
 
 FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.RELEASED})
 """States whose records expire after their retention; CLAIMED and UNKNOWN never expire."""

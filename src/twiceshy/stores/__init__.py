@@ -6,10 +6,11 @@ test suite (``tests/test_store_contract.py``). Stores are chosen by URL with :fu
 
 The contract, in short:
 
-- :meth:`Store.claim` is one atomic conditional write: it inserts a CLAIMED record with fence 1
-  when the key has no live record (none, or an expired outcome), and otherwise changes nothing and
-  answers the record as it is. Claiming again with the same owner token answers ``won=True`` for
-  the record that token already owns (a retry after a lost connection recognises its own claim).
+- :meth:`Store.claim` is one atomic conditional write: it inserts a CLAIMED record when the key
+  has no live record — fence 1 for a new key, the old fence + 1 over an expired outcome — and
+  otherwise changes nothing and answers the record as it is. Claiming again with the same owner
+  token answers ``won=True`` for the record that token already owns (a retry after a lost
+  connection recognises its own claim).
 - :meth:`Store.write` applies a :class:`~twiceshy.Change` only when its guards hold.
 - Lease deadlines and expiry are measured on the store's clock, reported in every
   :class:`~twiceshy.Snapshot`.

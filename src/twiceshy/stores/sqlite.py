@@ -251,46 +251,33 @@ def _store_error(exc: sqlite3.Error) -> StoreError:
     return StoreError(message)
 
 
+_EFFECTS: Final = {e.value: e for e in Effect}
+_STATES: Final = {s.value: s for s in State}
+
+
 def _record(row: Sequence[Any]) -> Record:
-    (
-        namespace,
-        key,
-        fingerprint,
-        tool,
-        effect,
-        state,
-        fence,
-        owner,
-        lease_deadline,
-        attempts,
-        result,
-        error,
-        reason,
-        created_at,
-        updated_at,
-        expires_at,
-    ) = row
+    # Columns are in Record's field order (_COLUMNS); only the two enums need converting.
     try:
         return Record(
-            namespace=namespace,
-            key=key,
-            fingerprint=fingerprint,
-            tool=tool,
-            effect=Effect(effect),
-            state=State(state),
-            fence=fence,
-            owner=owner,
-            lease_deadline=lease_deadline,
-            attempts=attempts,
-            result=result,
-            error=error,
-            reason=reason,
-            created_at=created_at,
-            updated_at=updated_at,
-            expires_at=expires_at,
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            _EFFECTS[row[4]],
+            _STATES[row[5]],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+            row[12],
+            row[13],
+            row[14],
+            row[15],
         )
-    except ValueError as exc:
-        raise StoreError(f"SQLite ledger: unreadable record {namespace!r}/{key!r}: {exc}") from exc
+    except (KeyError, TypeError) as exc:
+        raise StoreError(f"SQLite ledger: unreadable record {row[0]!r}/{row[1]!r}: {exc}") from exc
 
 
 def _state_slots(states: Iterable[State]) -> dict[str, str | None]:
@@ -593,17 +580,14 @@ class SQLiteStore:
         lease: float,
     ) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.claim`."""
-        # Fast path: a live outcome changes only by expiry, so it is answered without taking
-        # the writer's lock.
         with self._connection() as conn:
             now = self._clock()
             existing = self._read(conn, namespace, key)
-        if (
-            existing is not None
-            and existing.state in (State.SUCCEEDED, State.FAILED)
-            and is_live(existing, now)
-        ):
-            return Snapshot(existing, now, False)
+        # Fast path: the claim statement never changes a live record, so a live record is
+        # answered from a plain read, without taking the writer's lock.
+        if existing is not None and is_live(existing, now):
+            won = existing.state is State.CLAIMED and existing.owner == owner
+            return Snapshot(existing, now, won)
 
         with self._transaction() as conn:
             # Read the clock once the lock is held: waiting for it must not shorten the lease.
