@@ -822,7 +822,7 @@ def test_results_with_lone_surrogates_are_kept(ledger: twiceshy.Ledger) -> None:
 
 
 def test_a_new_owner_always_gets_a_lease() -> None:
-    """A Change that hands a record to a new owner must set its lease (else it could never lapse)."""
+    """A Change handing a record to a new owner must set its lease, or it could never lapse."""
     with pytest.raises(ValueError, match="lease"):
         twiceshy.Change(
             1, frozenset({twiceshy.State.RELEASED}), twiceshy.State.CLAIMED, new_owner="x"
