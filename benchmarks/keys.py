@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from twiceshy import _canonical  # noqa: E402
 from twiceshy._canonical import canonical_json, idempotency_key  # noqa: E402
 
 try:
@@ -94,7 +95,7 @@ def medium_args() -> dict[str, Any]:
             },
             "vip": True,
         },
-        "items": [_item(rng, n) for n in range(9)],
+        "items": [_item(rng, n) for n in range(12)],
         "currency": "CHF",
         "shipping": {"method": "express", "cost": 12.5, "insured": True, "window": [9, 12]},
         "notes": _text(rng, 12),
@@ -114,11 +115,11 @@ def large_args() -> dict[str, Any]:
             "views": rng.randrange(10**7),
             "published": rng.random() < 0.8,
             "tags": [rng.choice(WORDS) for _ in range(rng.randint(1, 4))],
-            "author": {"id": rng.randrange(10**5), "name": _text(rng, 2), "karma": rng.random()},
+            "author": {"id": rng.randrange(10**5), "name": _text(rng, 2), "karma": rng.randrange(999)},
             "created": f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T12:00:00Z",
             "ratio": rng.choice([0.25, 0.5, 1.0, 1e-3, 3.75]),
         }
-        for n in range(330)
+        for n in range(360)
     ]
     return {"table": "articles", "upsert": True, "rows": rows, "batch": 17}
 
@@ -136,6 +137,11 @@ def _rfc8785_key(args: object) -> str:
 
 
 def _twiceshy_key(args: object) -> str:
+    return idempotency_key(SCOPE, TOOL, args)
+
+
+def _twiceshy_cold_key(args: object) -> str:
+    _canonical._SHAPES.clear()  # as if every shape of dict keys were new
     return idempotency_key(SCOPE, TOOL, args)
 
 
@@ -166,7 +172,11 @@ def main() -> None:
     options = parser.parse_args()
     repeats, target = (3, 0.05) if options.quick else (7, 0.4)
 
-    impls: dict[str, Callable[[object], str]] = {"twiceshy": _twiceshy_key, "json.dumps": _json_key}
+    impls: dict[str, Callable[[object], str]] = {
+        "twiceshy": _twiceshy_key,
+        "twiceshy cold": _twiceshy_cold_key,
+        "json.dumps": _json_key,
+    }
     if rfc8785 is not None:
         impls["rfc8785"] = _rfc8785_key
     sizes = {"~100 B": small_args(), "~2 KB": medium_args(), "~100 KB": large_args()}

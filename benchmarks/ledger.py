@@ -4,7 +4,8 @@
 
 A *first call* claims the key, runs the tool and records the outcome; a *replay* is a retry of an
 intent already recorded. The floor is raw ``sqlite3`` doing the same transactions on the same
-kind of file with the same durability settings (journal mode and ``synchronous``): two write
+kind of file, with the ledger's own table and indexes and the same durability settings (journal
+mode and ``synchronous``): two write
 transactions (insert the claim; update it with the outcome) for a first call, one read by primary
 key for a replay. The tool itself does nothing, so what is measured is twiceshy's own cost.
 Medians of per-call times; the machine is shared, so compare ratios within one run.
@@ -21,72 +22,74 @@ from collections.abc import Callable
 from pathlib import Path
 
 import twiceshy
+from twiceshy.stores.sqlite import _SCHEMA as SCHEMA
 from twiceshy.stores.sqlite import SQLiteStore
 
 
-def per_call(fn: Callable[[int], object], calls: int) -> float:
-    """The median time of one call, in microseconds."""
-    times = []
+def timed(fn: Callable[[int], object], calls: int, into: list[int]) -> None:
+    """Time ``calls`` calls of ``fn`` one by one, appending nanoseconds to ``into``."""
     for i in range(calls):
         start = time.perf_counter_ns()
         fn(i)
-        times.append(time.perf_counter_ns() - start)
+        into.append(time.perf_counter_ns() - start)
+
+
+def median_us(times: list[int]) -> float:
+    """The median of nanosecond timings, in microseconds."""
     return statistics.median(times) / 1000
 
 
-def protected(url: str, calls: int) -> tuple[float, float]:
-    """(first call, replay) medians of a KEYED tool on the ledger at ``url``."""
+Case = tuple[Callable[[int], object], Callable[[int], object], Callable[[], None]]
+
+
+def protected(url: str) -> Case:
+    """(first call, replay, close) of a KEYED tool on the ledger at ``url``."""
     ledger = twiceshy.Ledger(url)
 
     @ledger.tool(effect=twiceshy.KEYED)
     def charge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
+    prefix = f"bench-{time.time_ns()}"
+    counter = iter(range(10**9))
+
     def first(i: int) -> object:
-        with twiceshy.run(f"bench-{time.time_ns()}-{i}"):
+        with twiceshy.run(f"{prefix}-{next(counter)}"):
             return charge(4900, "cus_1")
 
     with twiceshy.run("bench-replay"):
         charge(4900, "cus_1")
+    scope = twiceshy.run("bench-replay")
 
-        def replay(i: int) -> object:
+    def replay(i: int) -> object:
+        with scope:
             return charge(4900, "cus_1")
 
-        replay_us = per_call(replay, calls * 4)
-    first_us = per_call(first, calls)
-    ledger.close()
-    return first_us, replay_us
+    return first, replay, ledger.close
 
 
-FLOOR_SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (
-    namespace TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, tool TEXT NOT NULL,
-    effect TEXT NOT NULL, state TEXT NOT NULL, fence INTEGER NOT NULL, owner TEXT NOT NULL,
-    lease_deadline REAL, attempts INTEGER NOT NULL, result TEXT, error TEXT, reason TEXT,
-    created_at REAL NOT NULL, updated_at REAL NOT NULL, expires_at REAL,
-    PRIMARY KEY (namespace, key)
-) WITHOUT ROWID
-"""
-
-
-def floor(path: Path, journal_mode: str, calls: int) -> tuple[float, float]:
-    """(two write transactions, one read) medians of raw sqlite3 at the same settings."""
+def floor(path: Path, journal_mode: str) -> Case:
+    """(two write transactions, one read, close) of raw sqlite3 at the same settings."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute(f"PRAGMA journal_mode = {journal_mode}")
     conn.execute("PRAGMA synchronous = FULL")
-    conn.execute(FLOOR_SCHEMA)
+    for statement in SCHEMA:  # the ledger's own table and indexes
+        conn.execute(statement)
     insert = (
-        "INSERT INTO records VALUES (?, ?, 'f', 't', 'keyed', 'claimed', 1, 'o', ?, 1, "
+        "INSERT INTO twiceshy_records VALUES (?, ?, 'f', 't', 'keyed', 'claimed', 1, 'o', ?, 1, "
         "NULL, NULL, NULL, ?, ?, NULL)"
     )
     update = (
-        "UPDATE records SET state = 'succeeded', result = ?, updated_at = ?, expires_at = ? "
+        "UPDATE twiceshy_records SET state = 'succeeded', result = ?, updated_at = ?, "
+        "expires_at = ? "
         "WHERE namespace = '' AND key = ? AND fence = 1 AND state = 'claimed'"
     )
-    read = "SELECT * FROM records WHERE namespace = '' AND key = ?"
+    read = "SELECT * FROM twiceshy_records WHERE namespace = '' AND key = ?"
+    prefix = f"{time.time_ns()}"
+    counter = iter(range(10**9))
 
     def two_transactions(i: int) -> None:
-        key = f"{time.time_ns()}-{i}"
+        key = f"{prefix}-{next(counter)}"
         now = time.time()
         conn.execute("BEGIN IMMEDIATE")
         conn.execute(insert, ("", key, now + 30, now, now))
@@ -97,45 +100,67 @@ def floor(path: Path, journal_mode: str, calls: int) -> tuple[float, float]:
         conn.execute(read, (key,)).fetchone()
         conn.execute("COMMIT")
 
-    two_transactions(-1)
     conn.execute("BEGIN IMMEDIATE")
     conn.execute(insert, ("", "replayed", 0, 0, 0))
     conn.execute("COMMIT")
-    first_us = per_call(two_transactions, calls)
-    replay_us = per_call(lambda i: conn.execute(read, ("replayed",)).fetchone(), calls * 4)
-    conn.close()
-    return first_us, replay_us
+
+    def one_read(i: int) -> object:
+        return conn.execute(read, ("replayed",)).fetchone()
+
+    return two_transactions, one_read, conn.close
+
+
+def measure(cases: dict[str, Case], rounds: int, calls: int) -> dict[str, tuple[float, float]]:
+    """Median (first call, replay) per case, the cases taking turns round by round."""
+    firsts: dict[str, list[int]] = {name: [] for name in cases}
+    replays: dict[str, list[int]] = {name: [] for name in cases}
+    for first, replay, _ in cases.values():  # warm up
+        timed(first, 5, [])
+        timed(replay, 20, [])
+    for _ in range(rounds):
+        for name, (first, replay, _) in cases.items():
+            timed(first, calls, firsts[name])
+            timed(replay, calls * 4, replays[name])
+    for _, _, close in cases.values():
+        close()
+    return {name: (median_us(firsts[name]), median_us(replays[name])) for name in cases}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, for a smoke run")
-    calls = 50 if parser.parse_args().quick else 400
+    quick = parser.parse_args().quick
+    rounds, calls = (2, 20) if quick else (8, 50)
     with tempfile.TemporaryDirectory() as tmp:
         mode = SQLiteStore(Path(tmp) / "probe.db").journal_mode
-        rows = [
-            ("memory://", *protected("memory://", calls), None, None),
-            (
-                f"sqlite ({mode}, synchronous=FULL)",
-                *protected(f"sqlite:///{tmp}/ledger.db", calls),
-                *floor(Path(tmp) / "floor.db", mode, calls),
-            ),
-        ]
-    header = (
-        f"{'store':<34} {'first call':>11} {'floor':>9} {'ratio':>6}"
-        f" {'replay':>9} {'raw read':>9} {'ratio':>6}"
+        results = measure(
+            {
+                "memory": protected("memory://"),
+                "sqlite": protected(f"sqlite:///{tmp}/ledger.db"),
+                "floor": floor(Path(tmp) / "floor.db", mode),
+            },
+            rounds,
+            calls,
+        )
+    floor_first, floor_read = results["floor"]
+    print(
+        f"median per call in microseconds; {rounds} rounds of {calls} first calls and "
+        f"{calls * 4} replays, the cases taking turns"
     )
-    print(f"median per call, microseconds; {calls} first calls, {calls * 4} replays")
+    header = (
+        f"{'store':<36} {'first call':>10} {'floor':>8} {'ratio':>6}"
+        f" {'replay':>8} {'raw read':>8} {'ratio':>6}"
+    )
     print(header)
     print("-" * len(header))
-    for name, first_us, replay_us, floor_first, floor_read in rows:
-        if floor_first is None or floor_read is None:
-            print(f"{name:<34} {first_us:>11.1f} {'':>9} {'':>6} {replay_us:>9.1f}")
-            continue
-        print(
-            f"{name:<34} {first_us:>11.1f} {floor_first:>9.1f} {first_us / floor_first:>6.2f}"
-            f" {replay_us:>9.1f} {floor_read:>9.1f} {replay_us / floor_read:>6.2f}"
-        )
+    first, replay = results["memory"]
+    print(f"{'memory://':<36} {first:>10.1f} {'':>8} {'':>6} {replay:>8.1f}")
+    first, replay = results["sqlite"]
+    print(
+        f"{f'sqlite:/// ({mode} journal, synchronous=FULL)':<36} {first:>10.1f}"
+        f" {floor_first:>8.1f} {first / floor_first:>6.2f}"
+        f" {replay:>8.1f} {floor_read:>8.1f} {replay / floor_read:>6.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+import servers
 from twiceshy.stores import Store
 from twiceshy.stores.memory import MemoryStore
 from twiceshy.stores.sqlite import SQLiteStore
@@ -26,22 +28,73 @@ class FakeClock:
         self.now += seconds
 
 
-def _memory(clock: FakeClock, tmp_path: Path) -> Store:
-    return MemoryStore(clock=clock)
+SERVERS = ("postgres", "redis")
+
+Factory = Callable[[FakeClock, Path], tuple[Store, Callable[[], None]]]
 
 
-def _sqlite(clock: FakeClock, tmp_path: Path) -> Store:
-    return SQLiteStore(tmp_path / "ledger.db", clock=clock)
+def _memory(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+    store = MemoryStore(clock=clock)
+    return store, store.close
 
 
-#: Every store the contract suite runs against: name -> factory(clock, tmp_path).
-#: A new store adds itself here (with marks, e.g. ``pytest.mark.postgres``, via STORE_PARAMS).
-STORE_FACTORIES: dict[str, Callable[[FakeClock, Path], Store]] = {
+def _sqlite(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+    store = SQLiteStore(tmp_path / "ledger.db", clock=clock)
+    return store, store.close
+
+
+def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+    """A PostgreSQL store in a schema of its own, dropped afterwards."""
+    url = servers.require("postgres")
+    import psycopg
+    from twiceshy.stores.postgres import PostgresStore
+
+    schema = f"twiceshy_test_{secrets.token_hex(6)}"
+    store = PostgresStore(url, schema=schema, clock=clock)
+
+    def cleanup() -> None:
+        store.close()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+    return store, cleanup
+
+
+def _redis(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+    """A Redis store under a key prefix of its own, whose keys are deleted afterwards."""
+    url = servers.require("redis")
+    import redis
+    from twiceshy.stores.redis import RedisStore
+
+    prefix = f"twiceshy-test:{secrets.token_hex(6)}"
+    store = RedisStore(url, prefix=prefix, clock=clock)
+
+    def cleanup() -> None:
+        store.close()
+        client = redis.Redis.from_url(url)
+        try:
+            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+    return store, cleanup
+
+
+#: Every store the contract suite runs against: name -> factory(clock, tmp_path), which answers
+#: the store and how to clean up after it. The server stores skip (fail in CI) without a server.
+STORE_FACTORIES: dict[str, Factory] = {
     "memory": _memory,
     "sqlite": _sqlite,
+    "postgres": _postgres,
+    "redis": _redis,
 }
 
-STORE_PARAMS = [pytest.param(name, id=name) for name in STORE_FACTORIES]
+STORE_PARAMS = [
+    pytest.param(name, id=name, marks=[getattr(pytest.mark, name)] if name in SERVERS else [])
+    for name in STORE_FACTORIES
+]
 
 
 @pytest.fixture
@@ -52,7 +105,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture(params=STORE_PARAMS)
 def store(request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path) -> Iterator[Store]:
-    """Each store kind in turn, on the fake clock; closed afterwards."""
-    opened = STORE_FACTORIES[request.param](clock, tmp_path)
+    """Each store kind in turn, on the fake clock; cleaned up afterwards."""
+    opened, cleanup = STORE_FACTORIES[request.param](clock, tmp_path)
     yield opened
-    opened.close()
+    cleanup()

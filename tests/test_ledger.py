@@ -827,3 +827,44 @@ def test_a_new_owner_always_gets_a_lease() -> None:
         twiceshy.Change(
             1, frozenset({twiceshy.State.RELEASED}), twiceshy.State.CLAIMED, new_owner="x"
         )
+
+
+def test_guard_protects_a_call_given_as_a_mapping(ledger: twiceshy.Ledger) -> None:
+    """A guard runs work once per (scope, tool, arguments) given as a mapping, with the key set."""
+    guard = ledger.guard("create_order", effect=twiceshy.KEYED)
+    keys: list[str | None] = []
+
+    def work() -> str:
+        keys.append(twiceshy.current_key())
+        return f"order-{len(keys)}"
+
+    assert guard.call({"sku": "A", "qty": 2}, work, scope="run-29") == "order-1"
+    assert guard.call({"qty": 2, "sku": "A"}, work, scope="run-29") == "order-1"
+    assert guard.call({"sku": "A", "qty": 2}, work, scope="run-30") == "order-2"
+    with twiceshy.run("run-29"):
+        assert guard.call({"sku": "A", "qty": 2}, work) == "order-1"
+    assert keys == [
+        twiceshy.idempotency_key("run-29", "create_order", {"sku": "A", "qty": 2}),
+        twiceshy.idempotency_key("run-30", "create_order", {"sku": "A", "qty": 2}),
+    ]
+    with pytest.raises(twiceshy.MissingScope):
+        guard.call({"sku": "A", "qty": 2}, work)
+
+
+def test_guard_async_call_and_narrowing(ledger: twiceshy.Ledger) -> None:
+    """An async guard call replays; key_args narrows the key and checks the rest."""
+    guard = ledger.guard("refund", effect=twiceshy.UNSAFE, key_args=["order"])
+    runs: list[int] = []
+
+    async def work() -> int:
+        runs.append(1)
+        return len(runs)
+
+    async def main() -> None:
+        assert await guard.acall({"order": "o1", "amount": 5}, work, scope="run-31") == 1
+        assert await guard.acall({"order": "o1", "amount": 5}, work, scope="run-31") == 1
+        with pytest.raises(twiceshy.KeyReuseMismatch):
+            await guard.acall({"order": "o1", "amount": 6}, work, scope="run-31")
+
+    asyncio.run(main())
+    assert runs == [1]

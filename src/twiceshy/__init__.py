@@ -15,7 +15,7 @@ error where nobody can know it.
 """
 
 from ._canonical import canonical_json, idempotency_key
-from ._ledger import Ledger
+from ._ledger import Guard, Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
 from ._records import Change, Effect, Record, Snapshot, State
 from ._scope import current_key, current_scope, run
@@ -53,6 +53,7 @@ __all__ = [
     "DidNotHappen",
     "Effect",
     "FencedOut",
+    "Guard",
     "Happened",
     "InProgress",
     "KeyReuseMismatch",

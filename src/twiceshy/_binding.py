@@ -34,6 +34,25 @@ class BoundCall:
     keyed: dict[str, Any]
     explicit_key: str | None
 
+    @classmethod
+    def of(
+        cls,
+        arguments: Mapping[str, Any],
+        *,
+        key_args: frozenset[str] | None = None,
+        ignore_args: frozenset[str] = frozenset(),
+        explicit_key: str | None = None,
+    ) -> BoundCall:
+        """A call given by its arguments' mapping, narrowed by ``key_args`` / ``ignore_args``."""
+        full = dict(arguments)
+        if key_args is not None:
+            keyed = {k: v for k, v in full.items() if k in key_args}
+        elif ignore_args:
+            keyed = {k: v for k, v in full.items() if k not in ignore_args}
+        else:
+            keyed = full
+        return cls(full, keyed, explicit_key)
+
     def identity(self, scope: str | None, tool: str) -> tuple[str | None, str]:
         """The intent's key (``None`` without a scope) and the full arguments' fingerprint.
 
@@ -148,13 +167,9 @@ class Binder:
             kind = self._signature.parameters[name].kind
             # A tuple of *args is a list to the key; **kwargs stays one nested mapping.
             arguments[name] = list(value) if kind is inspect.Parameter.VAR_POSITIONAL else value
-        if self._keyed is not None:
-            keyed = {k: v for k, v in arguments.items() if k in self._keyed}
-        elif self._ignored:
-            keyed = {k: v for k, v in arguments.items() if k not in self._ignored}
-        else:
-            keyed = arguments
-        return BoundCall(arguments, keyed, explicit)
+        return BoundCall.of(
+            arguments, key_args=self._keyed, ignore_args=self._ignored, explicit_key=explicit
+        )
 
     def _bind_simple(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]

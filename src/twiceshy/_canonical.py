@@ -224,7 +224,7 @@ def _datetime_text(x: datetime.datetime) -> str:
 # the recursive pass; every _emit* appends to `out` and returns what is left of the budget
 
 
-def _emit(v: Any, out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
+def _emit(v: Any, out: list[str], room: int, budget: int) -> int:
     """Append the canonical text of any value; the entry point of the recursion."""
     t = type(v)
     if t is str:
@@ -240,33 +240,35 @@ def _emit(v: Any, out: list[str], room: int, budget: int, shapes: _Shapes) -> in
         out.append(_float_text(v))
         return budget
     if t is dict:
-        return _emit_dict(v, out, room, budget, shapes)
+        return _emit_dict(v, out, room, budget)
     if t is list or t is tuple:
-        return _emit_list(v, out, room, budget, shapes)
+        return _emit_list(v, out, room, budget)
     if v is None:
         out.append("null")
         return budget
     if t is bool:
         out.append("true" if v else "false")
         return budget
-    return _emit_other(v, out, room, budget, shapes)
+    return _emit_other(v, out, room, budget)
 
 
-def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
+def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int) -> int:
     """Append an exact dict; mappings with keys other than str take the general path."""
     if room <= 0:
         raise _too_deep(d)
     if not d:
         out.append("{}")
         return budget
-    # Arguments often hold many dicts of one shape (rows, line items): sort and quote each
-    # shape's keys once per call.
     shape = tuple(d)
-    plan = shapes.get(shape, _NO_PLAN)
-    if plan is _NO_PLAN:
-        plan = shapes[shape] = _plan(shape)
+    plan = _SHAPES.get(shape)
     if plan is None:
-        return _emit_pairs(_mapping_pairs(d), out, room, budget, d, shapes)
+        plan = _plan(shape)
+        if plan is None:
+            return _emit_pairs(_mapping_pairs(d), out, room, budget, d)
+        if len(shape) <= _SHAPE_KEYS_MAX and plan[1] <= _SHAPE_CHARS_MAX:
+            if len(_SHAPES) >= _SHAPES_MAX:
+                _SHAPES.clear()
+            _SHAPES[shape] = plan
     steps, key_chars = plan
     budget -= key_chars
     if len(out) > budget:
@@ -293,17 +295,17 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes
                     append(p + r)
                 elif t is dict:
                     append(p)
-                    budget = _emit_dict(x, out, room, budget, shapes)
+                    budget = _emit_dict(x, out, room, budget)
                 elif t is list:
                     append(p)
-                    budget = _emit_list(x, out, room, budget, shapes)
+                    budget = _emit_list(x, out, room, budget)
                 elif t is bool:
                     append(p + ("true" if x else "false"))
                 elif x is None:
                     append(p + "null")
                 else:
                     append(p)
-                    budget = _emit(x, out, room, budget, shapes)
+                    budget = _emit(x, out, room, budget)
         except ValueError:
             # An int past Python's int-to-str digit limit: write it exactly, then carry on with
             # the same iterator (keeping this off the per-item path costs nothing elsewhere).
@@ -320,8 +322,15 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int, shapes
 
 
 _Plan = list[tuple[str, str]]
-_Shapes = dict[tuple[Any, ...], "tuple[_Plan, int] | None"]
-_NO_PLAN: Final[Any] = object()
+
+# Tool arguments come in few shapes: a tool is called again and again with the same keys, and
+# one call often holds many dicts of one shape (rows, line items). The sorted, quoted keys of each
+# str-keyed shape are therefore kept in a small memo. It is looked up by the tuple of keys in
+# insertion order, holds nothing but str, and forgets everything when it is full.
+_SHAPES: Final[dict[tuple[Any, ...], tuple[_Plan, int]]] = {}
+_SHAPES_MAX: Final = 1024  # shapes
+_SHAPE_KEYS_MAX: Final = 64  # keys of one shape
+_SHAPE_CHARS_MAX: Final = 4096  # characters of one shape's keys
 
 
 def _plan(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
@@ -330,35 +339,22 @@ def _plan(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
     The plan lists (key, ``{"key":`` or ``,"key":``) in output order; with it comes the keys'
     total length.
     """
-    try:
-        ordered = sorted(keys)
-    except TypeError:
-        return None
-    steps = []
-    sep = "{"
-    for k in ordered:
+    for k in keys:
         if type(k) is not str:
             return None
-        if not k.isascii():  # code-point order is UTF-16 order only for ASCII
-            return _plan_utf16(keys)
-        steps.append((k, f"{sep}{_quote(k)}:"))
-        sep = ","
-    return steps, sum(map(len, keys))
+    joined = "".join(keys)
+    if joined.isascii():  # code-point order is UTF-16 order only for ASCII
+        ordered = sorted(keys)
+    else:
+        ordered = sorted(keys, key=_utf16)
+        if len(set(map(_utf16, keys))) < len(keys):  # a surrogate pair and its character
+            return None  # the general path names the collision
+    # Quoted keys never hold a raw NUL (it is escaped), so NUL can split them apart again.
+    prefixes = ("{" + ":\0,".join(map(_quote, ordered)) + ":").split("\0")
+    return list(zip(ordered, prefixes, strict=True)), len(joined)
 
 
-def _plan_utf16(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
-    if not all(type(k) is str for k in keys):
-        return None
-    ordered = sorted(keys, key=_utf16)
-    if len({_utf16(k) for k in keys}) < len(keys):  # a surrogate pair and its character
-        return None  # the general path names the collision
-    steps = [(k, f"{',' if n else '{'}{_quote(k)}:") for n, k in enumerate(ordered)]
-    return steps, sum(map(len, keys))
-
-
-def _emit_list(
-    v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget: int, shapes: _Shapes
-) -> int:
+def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget: int) -> int:
     """Append an exact list or tuple."""
     if room <= 0:
         raise _too_deep(v)
@@ -389,10 +385,10 @@ def _emit_list(
                     append(sep + r)
                 elif t is dict:
                     append(sep)
-                    budget = _emit_dict(x, out, room, budget, shapes)
+                    budget = _emit_dict(x, out, room, budget)
                 else:
                     append(sep)
-                    budget = _emit(x, out, room, budget, shapes)
+                    budget = _emit(x, out, room, budget)
                 sep = ","
         except ValueError:
             if type(x) is not int:  # see _emit_dict
@@ -414,7 +410,6 @@ def _emit_pairs(
     room: int,
     budget: int,
     origin: object,
-    shapes: _Shapes,
 ) -> int:
     """Append an object from (key text, value) pairs already sorted by UTF-16 code units.
 
@@ -435,7 +430,7 @@ def _emit_pairs(
     try:
         for k, x in pairs:
             out.append(f"{sep}{_quote(k)}:")
-            budget = _emit(x, out, room, budget, shapes)
+            budget = _emit(x, out, room, budget)
             sep = ","
     except _Refusal as refusal:
         refusal.passing(_key_segment(k), origin)
@@ -444,9 +439,7 @@ def _emit_pairs(
     return budget
 
 
-def _emit_set(
-    v: set[object] | frozenset[object], out: list[str], room: int, budget: int, shapes: _Shapes
-) -> int:
+def _emit_set(v: set[object] | frozenset[object], out: list[str], room: int, budget: int) -> int:
     """Append a set as an array of its members' canonical texts in UTF-16 order."""
     if room <= 0:
         raise _too_deep(v)
@@ -459,7 +452,7 @@ def _emit_set(
     try:
         for x in v:
             part: list[str] = []
-            budget = _emit(x, part, room - 1, budget, shapes)
+            budget = _emit(x, part, room - 1, budget)
             texts.append(_mend_surrogates("".join(part)))
     except _Refusal as refusal:
         refusal.passing("[?]", v)  # a set has no order to point into
@@ -472,13 +465,13 @@ def _emit_set(
     return budget
 
 
-def _emit_other(v: object, out: list[str], room: int, budget: int, shapes: _Shapes) -> int:
+def _emit_other(v: object, out: list[str], room: int, budget: int) -> int:
     """Map every value that is not an exact JSON type, or refuse it."""
     # Enum first: IntEnum and StrEnum members are also ints and strs, but they stand for .value.
     if isinstance(v, enum.Enum):
-        return _emit(v.value, out, room, budget, shapes)
+        return _emit(v.value, out, room, budget)
     if isinstance(v, str):
-        return _emit(str.__str__(v), out, room, budget, shapes)
+        return _emit(str.__str__(v), out, room, budget)
     if isinstance(v, int):  # bool is handled (and can't be subclassed)
         out.append(_int_text(v))
         return budget
@@ -486,33 +479,33 @@ def _emit_other(v: object, out: list[str], room: int, budget: int, shapes: _Shap
         out.append(_float_text(v))
         return budget
     if isinstance(v, Mapping):
-        return _emit_pairs(_mapping_pairs(v), out, room, budget, v, shapes)
+        return _emit_pairs(_mapping_pairs(v), out, room, budget, v)
     if isinstance(v, (list, tuple)):
-        return _emit_list(v, out, room, budget, shapes)
+        return _emit_list(v, out, room, budget)
     if isinstance(v, (set, frozenset)):
-        return _emit_set(v, out, room, budget, shapes)
+        return _emit_set(v, out, room, budget)
     if isinstance(v, datetime.datetime):
-        return _emit(_datetime_text(v), out, room, budget, shapes)
+        return _emit(_datetime_text(v), out, room, budget)
     if isinstance(v, datetime.date):
-        return _emit(f"{v.year:04d}-{v.month:02d}-{v.day:02d}", out, room, budget, shapes)
+        return _emit(f"{v.year:04d}-{v.month:02d}-{v.day:02d}", out, room, budget)
     if isinstance(v, decimal.Decimal):
-        return _emit(_decimal_text(v, budget), out, room, budget, shapes)
+        return _emit(_decimal_text(v, budget), out, room, budget)
     if isinstance(v, uuid.UUID):
-        return _emit(uuid.UUID.__str__(v), out, room, budget, shapes)
+        return _emit(uuid.UUID.__str__(v), out, room, budget)
     if isinstance(v, (bytes, bytearray, memoryview)):
         data = bytes(v)
         if len(data) > budget:
             raise _too_large()
-        return _emit(base64.b64encode(data).decode("ascii"), out, room, budget, shapes)
+        return _emit(base64.b64encode(data).decode("ascii"), out, room, budget)
     if not isinstance(v, type):
         cls = type(v)
         if dataclasses.is_dataclass(v):
             fields = [(f.name, getattr(v, f.name)) for f in dataclasses.fields(v)]
-            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v, shapes)
+            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v)
         attrs = getattr(cls, "__attrs_attrs__", None)
         if attrs is not None:
             fields = [(a.name, getattr(v, a.name)) for a in attrs]
-            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v, shapes)
+            return _emit_pairs(_sorted_pairs(fields), out, room, budget, v)
         if hasattr(cls, "model_fields") and callable(getattr(cls, "model_dump", None)):
             try:
                 dumped = v.model_dump(mode="python")  # type: ignore[attr-defined]
@@ -520,7 +513,7 @@ def _emit_other(v: object, out: list[str], room: int, budget: int, shapes: _Shap
                 raise _Refusal(
                     UnkeyableValue, f"model_dump() of a {_type_name(v)} failed: {exc}"
                 ) from exc
-            return _emit(dumped, out, room, budget, shapes)
+            return _emit(dumped, out, room, budget)
     raise _Refusal(UnkeyableType, f"cannot make a key from a {_type_name(v)}", v)
 
 
@@ -607,7 +600,7 @@ def _canonical(value: object, max_depth: int, max_bytes: int) -> tuple[str, byte
     """The canonical text, and its UTF-8 bytes when they had to be computed anyway."""
     out: list[str] = []
     try:
-        _emit(value, out, max_depth, max_bytes, {})
+        _emit(value, out, max_depth, max_bytes)
     except _Refusal as refusal:
         raise refusal.to_error(max_depth, max_bytes) from None
     except RecursionError:
@@ -683,17 +676,19 @@ def canonical_json(value: object, *, max_depth: int = MAX_DEPTH, max_bytes: int 
     return _canonical(value, max_depth, max_bytes)[0]
 
 
-def _checked_name(name: object, path: str, *, colon: bool) -> bytes:
-    if not isinstance(name, str):
-        raise UnkeyableType(path, f"must be a str, not a {_type_name(name)}")
-    if not name:
-        raise UnkeyableValue(path, "must not be empty")
-    if not colon and ":" in name:
-        raise UnkeyableValue(path, f"must not contain ':' (it would make keys ambiguous): {name!r}")
-    try:
-        return name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UnkeyableValue(path, f"contains a lone surrogate: {name!r}") from None
+def _checked_names(scope: object, tool: object) -> tuple[str, str]:
+    names = []
+    for path, name in (("scope", scope), ("tool", tool)):
+        if not isinstance(name, str):
+            raise UnkeyableType(path, f"must be a str, not a {_type_name(name)}")
+        if not name:
+            raise UnkeyableValue(path, "must not be empty")
+        if path == "tool" and ":" in name:
+            raise UnkeyableValue(path, f"must not contain ':' (it makes keys ambiguous): {name!r}")
+        if _SURROGATE.search(name):
+            raise UnkeyableValue(path, f"must not contain a lone surrogate: {name!r}")
+        names.append(str.__str__(name))
+    return names[0], names[1]
 
 
 def idempotency_key(scope: str, tool: str, args: object) -> str:
@@ -715,9 +710,14 @@ def idempotency_key(scope: str, tool: str, args: object) -> str:
         UnkeyableValue: an empty scope or tool name, a tool name with ``:``, a lone surrogate in
             either, or a refused value in ``args``.
     """
-    prefix = _checked_name(scope, "scope", colon=True)
-    prefix += b":" + _checked_name(tool, "tool", colon=False) + b":"
+    if type(scope) is not str or type(tool) is not str or not scope or not tool or ":" in tool:
+        scope, tool = _checked_names(scope, tool)
+    try:
+        head = f"{scope}:{tool}:".encode()
+    except UnicodeEncodeError:  # a surrogate: let the check say where
+        scope, tool = _checked_names(scope, tool)
+        raise  # pragma: no cover - the check raises
     text, data = _canonical(args, MAX_DEPTH, MAX_BYTES)
-    digest = hashlib.sha256(prefix)
-    digest.update(text.encode("ascii") if data is None else data)
+    digest = hashlib.sha256(head)
+    digest.update(text.encode() if data is None else data)
     return digest.hexdigest()

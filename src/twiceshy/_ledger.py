@@ -1,8 +1,15 @@
-"""The ledger and its tool decorator: the sync and async drivers of the protocol.
+"""The ledger, its guards and its tool decorator: the sync and async drivers of the protocol.
 
-Nothing here decides anything about a call: :mod:`twiceshy._protocol` does. A driver binds the
-arguments, derives the key, joins a call already running in this process, and carries out the
-protocol's commands, blocking or with ``await``.
+Nothing here decides anything about a call: :mod:`twiceshy._protocol` does. A driver derives the
+key, joins a call already running in this process, and carries out the protocol's commands,
+blocking or with ``await``.
+
+Layers, from the bottom:
+
+- :class:`Guard` protects one tool given its arguments as a mapping and its work as a callable;
+  framework adapters use it, since they see a tool call as a name and a dict of arguments.
+- :meth:`Ledger.tool` is a decorator that binds a Python function's arguments by name and hands
+  the call to a guard.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -44,7 +50,7 @@ from ._scope import current_scope, reset_key, set_key
 from .errors import InProgress, KeyReuseMismatch, MissingScope
 from .stores import AsyncStore, Store, default_url, open_store
 
-__all__ = ["Ledger", "ToolOptions"]
+__all__ = ["Guard", "Ledger"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,6 +59,17 @@ log = logging.getLogger("twiceshy")
 
 Duration = float | timedelta
 Reconciler = Callable[[str, Mapping[str, Any]], Any]
+"""``reconcile(key, arguments)``: ``Happened(result)``, ``DidNotHappen()`` or ``None``."""
+
+_Work = Callable[[str], Any]
+"""The work of one call, given the call's key (the decorator injects it into the tool)."""
+
+
+def _seconds(value: Duration, name: str) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds < 0:
+        raise ValueError(f"{name}= must not be negative")
+    return seconds
 
 
 def _for_joiners(plan: CallPlan, error: BaseException) -> BaseException:
@@ -73,36 +90,312 @@ def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any]) -
         return None
 
 
-def _seconds(value: Duration, name: str) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if seconds < 0:
-        raise ValueError(f"{name}= must not be negative")
-    return seconds
+class Guard:
+    """One protected tool: its policy, bound to a ledger. Immutable; share it.
 
-
-@dataclass(frozen=True, slots=True)
-class ToolOptions:
-    """How one tool is protected; built once by :meth:`Ledger.tool`.
-
-    Attributes:
-        policy: what the protocol needs to know about the tool.
-        recorded: whether calls go through the ledger (every KEYED and UNSAFE tool; SAFE
-            tools with ``record=True``).
-        reconcile: the tool's reconciler, if any.
-        scope: derives the scope from the arguments when no ``twiceshy.run`` is active.
-        binder: binds calls to the tool's signature.
+    Made by :meth:`Ledger.guard` (and by :meth:`Ledger.tool` under the hood). A framework adapter
+    that sees a tool call as a name and a mapping of arguments calls :meth:`call` or
+    :meth:`acall` with the arguments and the work to run; the work finds the key in
+    :func:`twiceshy.current_key`.
     """
 
-    policy: Policy
-    recorded: bool
-    reconcile: Reconciler | None
-    scope: Callable[[Mapping[str, Any]], str] | None
-    binder: Binder
+    __slots__ = (
+        "_ignore_args",
+        "_key_args",
+        "_ledger",
+        "_reconcile",
+        "_scope",
+        "policy",
+        "recorded",
+    )
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        policy: Policy,
+        *,
+        recorded: bool,
+        reconcile: Reconciler | None,
+        scope: Callable[[Mapping[str, Any]], str] | None,
+        key_args: Collection[str] | None,
+        ignore_args: Collection[str],
+    ) -> None:
+        if key_args is not None and ignore_args:
+            raise ValueError("give key_args= or ignore_args=, not both")
+        self._ledger = ledger
+        self.policy = policy
+        self.recorded = recorded
+        self._reconcile = reconcile
+        self._scope = scope
+        self._key_args = frozenset(key_args) if key_args is not None else None
+        self._ignore_args = frozenset(ignore_args)
 
     @property
     def name(self) -> str:
         """The tool's name in keys."""
         return self.policy.tool
+
+    @property
+    def effect(self) -> Effect:
+        """The tool's effect class."""
+        return self.policy.effect
+
+    def __repr__(self) -> str:
+        return f"Guard({self.name!r}, effect={self.effect.name}, ledger={self._ledger!r})"
+
+    def bind(self, arguments: Mapping[str, Any], *, key: str | None = None) -> BoundCall:
+        """A call given by its arguments by name, narrowed by ``key_args`` / ``ignore_args``."""
+        return BoundCall.of(
+            arguments, key_args=self._key_args, ignore_args=self._ignore_args, explicit_key=key
+        )
+
+    def call(
+        self,
+        arguments: Mapping[str, Any],
+        work: Callable[[], R],
+        *,
+        scope: str | None = None,
+        key: str | None = None,
+    ) -> R:
+        """Run ``work`` at most once for the intent ``(scope, tool, arguments)``; blocking.
+
+        Args:
+            arguments: the call's arguments by name; they name the intent.
+            work: runs the tool (``twiceshy.current_key()`` is set while it runs).
+            scope: the run's scope; by default the innermost ``twiceshy.run(...)``.
+            key: an explicit key instead of one derived from scope and arguments.
+
+        Returns:
+            The result of this call's run, or of the first run, replayed.
+
+        Raises:
+            MissingScope, UnkeyableArgument, KeyReuseMismatch: before anything runs.
+            OutcomeUnknown, InProgress: the honest answers for the model.
+            StoreError: the ledger failed; nothing ran unprotected.
+        """
+        return cast("R", self._execute(self.bind(arguments, key=key), lambda _key: work(), scope))
+
+    async def acall(
+        self,
+        arguments: Mapping[str, Any],
+        work: Callable[[], Awaitable[R]],
+        *,
+        scope: str | None = None,
+        key: str | None = None,
+    ) -> R:
+        """:meth:`call` for async work."""
+        bound = self.bind(arguments, key=key)
+        return cast("R", await self._aexecute(bound, lambda _key: work(), scope))
+
+    # -- shared, no I/O --------------------------------------------------------------------
+
+    def _plan(self, bound: BoundCall, scope: str | None) -> CallPlan:
+        """Key and plan one call; every refusal happens here, before anything runs."""
+        name = self.policy.tool
+        if bound.explicit_key is not None:
+            key, fingerprint = bound.explicit_key, bound.identity(None, name)[1]
+        else:
+            if scope is None:
+                scope = current_scope()
+            if scope is None and self._scope is not None:
+                scope = self._scope(bound.arguments)
+            if not scope or not isinstance(scope, str):
+                raise MissingScope(
+                    f"the tool {name!r} was called outside any twiceshy.run(...) scope; wrap "
+                    "the agent's run in `with twiceshy.run(run_id):` so retries of one intent "
+                    "share a key"
+                )
+            derived, fingerprint = bound.identity(scope, name)
+            assert derived is not None
+            key = derived
+        ledger = self._ledger
+        return CallPlan(self.policy, ledger.namespace, key, fingerprint, ledger._owner_token())
+
+    # -- the blocking driver ---------------------------------------------------------------
+
+    def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        if not self.recorded:
+            return self._drive(retry_only(self.policy), work, None, bound)
+        plan = self._plan(bound, scope)
+        flights = self._ledger._flights
+        flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
+        if not leader:
+            if flight.fingerprint != plan.fingerprint:
+                raise _mismatch(plan)
+            if not flight.wait(self.policy.wait):
+                raise InProgress(plan.policy.tool, plan.key)
+            return flight.outcome()
+        try:
+            value = self._drive(protect(plan), work, plan, bound)
+        except BaseException as exc:
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            raise
+        flights.land(plan.namespace, plan.key, flight, value, None)
+        return value
+
+    def _drive(
+        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall
+    ) -> Any:
+        store, ns = self._ledger.store, self._ledger.namespace
+        answer: Any = None
+        while True:
+            try:
+                command = protocol.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(command, Now):
+                answer = time.monotonic()
+            elif isinstance(command, Run):
+                answer = self._run(work, plan, command)
+            elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
+                if not isinstance(command, Sleep):
+                    raise AssertionError(command)
+                time.sleep(command.seconds)
+                answer = None
+            elif isinstance(command, Claim):
+                answer = store.claim(
+                    ns,
+                    plan.key,
+                    fingerprint=plan.fingerprint,
+                    tool=plan.policy.tool,
+                    effect=plan.policy.effect,
+                    owner=plan.owner,
+                    lease=plan.policy.lease,
+                )
+            elif isinstance(command, Write):
+                answer = store.write(ns, plan.key, command.change)
+            elif isinstance(command, Wait):
+                answer = store.wait(ns, plan.key, command.fence, command.timeout)
+            elif isinstance(command, Sleep):
+                time.sleep(command.seconds)
+                answer = None
+            elif isinstance(command, Reconcile):
+                assert self._reconcile is not None
+                answer = _reconciled(self._reconcile, plan.key, bound.arguments)
+                if inspect.isawaitable(answer):
+                    close = getattr(answer, "close", None)
+                    if callable(close):
+                        close()
+                    raise TypeError("a blocking call needs a blocking reconcile= function")
+            else:  # pragma: no cover - the protocol yields nothing else
+                raise AssertionError(command)
+
+    def _run(self, work: _Work, plan: CallPlan | None, command: Run) -> Ran:
+        if plan is None:
+            try:
+                return Ran(value=work(""))
+            except Exception as exc:
+                return Ran(error=exc)
+        heartbeat = self._ledger._heartbeat
+        job = heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+        )
+        token = set_key(plan.key)
+        try:
+            value = work(plan.key)
+        except Exception as exc:
+            return Ran(error=exc, renewed_at=job.renewed_at)
+        finally:
+            reset_key(token)
+            heartbeat.stop(job)
+        return Ran(value=value, renewed_at=job.renewed_at)
+
+    # -- the async driver ------------------------------------------------------------------
+
+    async def _aexecute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        if not self.recorded:
+            return await self._adrive(retry_only(self.policy), work, None, bound)
+        plan = self._plan(bound, scope)
+        flights = self._ledger._flights
+        flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
+        if not leader:
+            if flight.fingerprint != plan.fingerprint:
+                raise _mismatch(plan)
+            if not await flight.wait_async(self.policy.wait):
+                raise InProgress(plan.policy.tool, plan.key)
+            return flight.outcome()
+        try:
+            value = await self._adrive(protect(plan), work, plan, bound)
+        except BaseException as exc:
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            raise
+        flights.land(plan.namespace, plan.key, flight, value, None)
+        return value
+
+    async def _adrive(
+        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall
+    ) -> Any:
+        store, ns = self._ledger.async_store, self._ledger.namespace
+        answer: Any = None
+        while True:
+            try:
+                command = protocol.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(command, Now):
+                answer = time.monotonic()
+            elif isinstance(command, Run):
+                answer = await self._arun(work, plan, command)
+            elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
+                if not isinstance(command, Sleep):
+                    raise AssertionError(command)
+                await asyncio.sleep(command.seconds)
+                answer = None
+            elif isinstance(command, Claim):
+                answer = await store.claim(
+                    ns,
+                    plan.key,
+                    fingerprint=plan.fingerprint,
+                    tool=plan.policy.tool,
+                    effect=plan.policy.effect,
+                    owner=plan.owner,
+                    lease=plan.policy.lease,
+                )
+            elif isinstance(command, Write):
+                answer = await store.write(ns, plan.key, command.change)
+            elif isinstance(command, Wait):
+                answer = await store.wait(ns, plan.key, command.fence, command.timeout)
+            elif isinstance(command, Sleep):
+                await asyncio.sleep(command.seconds)
+                answer = None
+            elif isinstance(command, Reconcile):
+                assert self._reconcile is not None
+                answer = _reconciled(self._reconcile, plan.key, bound.arguments)
+                if inspect.isawaitable(answer):
+                    try:
+                        answer = await answer
+                    except Exception:
+                        log.warning("twiceshy: reconcile of key %s failed", plan.key, exc_info=True)
+                        answer = None
+            else:  # pragma: no cover - the protocol yields nothing else
+                raise AssertionError(command)
+
+    async def _arun(self, work: _Work, plan: CallPlan | None, command: Run) -> Ran:
+        if plan is None:
+            try:
+                return Ran(value=await work(""))
+            except Exception as exc:
+                return Ran(error=exc)
+        heartbeat = self._ledger._heartbeat
+        job = heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+        )
+        token = set_key(plan.key)
+        try:
+            value = await work(plan.key)
+        except Exception as exc:
+            return Ran(error=exc, renewed_at=job.renewed_at)
+        finally:
+            reset_key(token)
+            heartbeat.stop(job)
+        return Ran(value=value, renewed_at=job.renewed_at)
+
+
+def _mismatch(plan: CallPlan) -> KeyReuseMismatch:
+    return KeyReuseMismatch(
+        f"the key {plan.key} is in use by a running call of {plan.policy.tool!r} with other "
+        "arguments; this call did not run"
+    )
 
 
 class Ledger:
@@ -111,8 +404,9 @@ class Ledger:
     One ledger serves sync and async tools, threads and tasks. Create it once and share it.
 
     Args:
-        url: ``memory://``, ``sqlite:///path/ledger.db``; by default ``TWICESHY_LEDGER``, else
-            the embedded SQLite file ``$XDG_STATE_HOME/twiceshy/ledger.db``.
+        url: ``memory://``, ``sqlite:///path/ledger.db``, ``postgresql://…``, ``redis://…``; by
+            default ``TWICESHY_LEDGER``, else the embedded SQLite file
+            ``$XDG_STATE_HOME/twiceshy/ledger.db``.
         namespace: a tenant: records of different namespaces never meet.
         store: a store object instead of a URL (anything implementing
             :class:`twiceshy.stores.Store`).
@@ -131,6 +425,8 @@ class Ledger:
         store: Store | None = None,
         async_store: AsyncStore | None = None,
     ) -> None:
+        if not isinstance(namespace, str):
+            raise TypeError("namespace= must be a string")
         if store is not None:
             if url is not None:
                 raise ValueError("give a url or a store, not both")
@@ -142,8 +438,6 @@ class Ledger:
         else:
             self.url = url if url is not None else default_url()
             self.store, self.async_store = open_store(self.url)
-        if not isinstance(namespace, str):
-            raise TypeError("namespace= must be a string")
         self.namespace = namespace
         self._flights = Flights()
         self._heartbeat = Heartbeat(self.store)
@@ -161,11 +455,79 @@ class Ledger:
         """Release the store's connections."""
         self.store.close()
 
+    async def aclose(self) -> None:
+        """Release the store's connections, async ones included."""
+        await self.async_store.close()
+        self.store.close()
+
     def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def guard(
+        self,
+        name: str,
+        *,
+        effect: Effect,
+        lease: Duration = 30.0,
+        wait: Duration = 10.0,
+        ttl: Duration | None = timedelta(hours=24),
+        key_args: Collection[str] | None = None,
+        ignore_args: Collection[str] = (),
+        definite: Collection[type[BaseException]] = (),
+        not_applied: Collection[type[BaseException]] = (),
+        attempts: int | None = None,
+        backoff: Callable[[int], float] | None = None,
+        reconcile: Reconciler | None = None,
+        record: bool | None = None,
+        scope: Callable[[Mapping[str, Any]], str] | None = None,
+        returns: Any = None,
+        max_result_bytes: int = MAX_RESULT_BYTES,
+    ) -> Guard:
+        """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
+
+        ``returns`` is the type results are rebuilt as on replay (the decorator takes it from
+        the function's return annotation).
+        """
+        if not isinstance(effect, Effect):
+            raise TypeError("effect= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"a tool name must be a non-empty string without ':' ({name!r})")
+        if record is not None and effect is not Effect.SAFE:
+            raise ValueError("record= applies to SAFE tools; KEYED and UNSAFE are always recorded")
+        if attempts is None:
+            attempts = 1 if effect is Effect.UNSAFE else 3
+        if attempts < 1:
+            raise ValueError("attempts= must be at least 1")
+        if effect is Effect.UNSAFE and attempts != 1:
+            raise ValueError("an UNSAFE tool runs exactly once: attempts= must be 1")
+        lease_s = _seconds(lease, "lease")
+        if lease_s <= 0:
+            raise ValueError("lease= must be positive")
+        policy = Policy(
+            tool=name,
+            effect=effect,
+            lease=lease_s,
+            wait=_seconds(wait, "wait"),
+            ttl=None if ttl is None else _seconds(ttl, "ttl"),
+            attempts=attempts,
+            backoff=backoff or exponential_backoff(),
+            definite=tuple(definite),
+            not_applied=tuple(not_applied),
+            codec=ResultCodec(returns, max_bytes=max_result_bytes),
+            reconcile=reconcile is not None,
+        )
+        return Guard(
+            self,
+            policy,
+            recorded=effect is not Effect.SAFE or bool(record),
+            reconcile=reconcile,
+            scope=scope,
+            key_args=key_args,
+            ignore_args=ignore_args,
+        )
 
     def tool(
         self,
@@ -218,19 +580,6 @@ class Ledger:
         Raises:
             ValueError: an option is out of range or names parameters the tool lacks.
         """
-        if not isinstance(effect, Effect):
-            raise TypeError("effect= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
-        if record is not None and effect is not Effect.SAFE:
-            raise ValueError("record= applies to SAFE tools; KEYED and UNSAFE are always recorded")
-        if attempts is None:
-            attempts = 1 if effect is Effect.UNSAFE else 3
-        if attempts < 1:
-            raise ValueError("attempts= must be at least 1")
-        if effect is Effect.UNSAFE and attempts != 1:
-            raise ValueError("an UNSAFE tool runs exactly once: attempts= must be 1")
-        lease_s = _seconds(lease, "lease")
-        if lease_s <= 0:
-            raise ValueError("lease= must be positive")
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
             is_async = inspect.iscoroutinefunction(fn)
@@ -240,284 +589,60 @@ class Ledger:
                 hints = inspect.get_annotations(fn, eval_str=True)
             except Exception:
                 hints = {}
-            options = ToolOptions(
-                policy=Policy(
-                    tool=name or fn.__name__,
-                    effect=effect,
-                    lease=lease_s,
-                    wait=_seconds(wait, "wait"),
-                    ttl=None if ttl is None else _seconds(ttl, "ttl"),
-                    attempts=attempts,
-                    backoff=backoff or exponential_backoff(),
-                    definite=tuple(definite),
-                    not_applied=tuple(not_applied),
-                    codec=ResultCodec(hints.get("return"), max_bytes=max_result_bytes),
-                    reconcile=reconcile is not None,
-                ),
-                recorded=effect is not Effect.SAFE or bool(record),
-                reconcile=reconcile,
-                scope=scope,
-                binder=Binder(
-                    fn,
-                    key_param=key_param,
-                    inject=inject,
-                    key_args=key_args,
-                    ignore_args=ignore_args,
-                ),
+            binder = Binder(
+                fn, key_param=key_param, inject=inject, key_args=key_args, ignore_args=ignore_args
             )
-            if ":" in options.name:
-                raise ValueError(f"a tool name must not contain ':' ({options.name!r})")
+            guard = self.guard(
+                name or fn.__name__,
+                effect=effect,
+                lease=lease,
+                wait=wait,
+                ttl=ttl,
+                definite=definite,
+                not_applied=not_applied,
+                attempts=attempts,
+                backoff=backoff,
+                reconcile=reconcile,
+                record=record,
+                scope=scope,
+                returns=hints.get("return"),
+                max_result_bytes=max_result_bytes,
+            )
             if is_async:
-                wrapper = self._async_wrapper(cast("Callable[..., Awaitable[Any]]", fn), options)
+                wrapper = _async_tool(cast("Callable[..., Awaitable[Any]]", fn), guard, binder)
             else:
-                wrapper = self._sync_wrapper(fn, options)
-            wrapper.twiceshy = options  # type: ignore[attr-defined]
+                wrapper = _sync_tool(fn, guard, binder)
+            wrapper.twiceshy = guard  # type: ignore[attr-defined]
             return cast("Callable[P, R]", wrapper)
 
         return decorate
 
-    # -- shared, no I/O --------------------------------------------------------------------
 
-    def _plan(
-        self, options: ToolOptions, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[CallPlan, BoundCall]:
-        """Bind, key and plan one call; every refusal happens here, before anything runs."""
-        bound = options.binder.bind(args, kwargs)
-        if bound.explicit_key is not None:
-            key, fingerprint = bound.explicit_key, bound.identity(None, options.name)[1]
-        else:
-            scope = current_scope()
-            if scope is None and options.scope is not None:
-                scope = options.scope(bound.arguments)
-            if not scope or not isinstance(scope, str):
-                raise MissingScope(
-                    f"the tool {options.name!r} was called outside any twiceshy.run(...) scope; "
-                    "wrap the agent's run in `with twiceshy.run(run_id):` so retries of one "
-                    "intent share a key"
-                )
-            derived, fingerprint = bound.identity(scope, options.name)
-            assert derived is not None
-            key = derived
-        plan = CallPlan(options.policy, self.namespace, key, fingerprint, self._owner_token())
-        return plan, bound
+def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def protected(*args: Any, **kwargs: Any) -> Any:
+        bound = binder.bind(args, kwargs)
 
-    @staticmethod
-    def _mismatch(plan: CallPlan) -> KeyReuseMismatch:
-        return KeyReuseMismatch(
-            f"the key {plan.key} is in use by a running call of {plan.policy.tool!r} with other "
-            "arguments; this call did not run"
-        )
+        def work(key: str) -> Any:
+            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            return fn(*call_args, **call_kwargs)
 
-    # -- the blocking driver ---------------------------------------------------------------
+        return guard._execute(bound, work, None)
 
-    def _sync_wrapper(self, fn: Callable[..., Any], options: ToolOptions) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def protected(*args: Any, **kwargs: Any) -> Any:
-            if not options.recorded:
-                plain = retry_only(options.policy)
-                return self._drive(plain, fn, args, kwargs, options, None)
-            plan, bound = self._plan(options, args, kwargs)
-            flight, leader = self._flights.join(plan.namespace, plan.key, plan.fingerprint)
-            if not leader:
-                if flight.fingerprint != plan.fingerprint:
-                    raise self._mismatch(plan)
-                if not flight.wait(plan.policy.wait):
-                    raise InProgress(plan.policy.tool, plan.key)
-                return flight.outcome()
-            try:
-                value = self._drive(protect(plan), fn, args, kwargs, options, plan, bound)
-            except BaseException as exc:
-                self._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
-                raise
-            self._flights.land(plan.namespace, plan.key, flight, value, None)
-            return value
+    return protected
 
-        return protected
 
-    def _drive(
-        self,
-        protocol: Protocol,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        options: ToolOptions,
-        plan: CallPlan | None,
-        bound: BoundCall | None = None,
-    ) -> Any:
-        store, ns = self.store, self.namespace
-        answer: Any = None
-        while True:
-            try:
-                command = protocol.send(answer)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(command, Now):
-                answer = time.monotonic()
-            elif isinstance(command, Write):
-                assert plan is not None
-                answer = store.write(ns, plan.key, command.change)
-            elif isinstance(command, Claim):
-                assert plan is not None
-                answer = store.claim(
-                    ns,
-                    plan.key,
-                    fingerprint=plan.fingerprint,
-                    tool=plan.policy.tool,
-                    effect=plan.policy.effect,
-                    owner=plan.owner,
-                    lease=plan.policy.lease,
-                )
-            elif isinstance(command, Run):
-                answer = self._run_sync(fn, args, kwargs, options, plan, command)
-            elif isinstance(command, Wait):
-                assert plan is not None
-                answer = store.wait(ns, plan.key, command.fence, command.timeout)
-            elif isinstance(command, Sleep):
-                time.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Reconcile):
-                assert plan is not None
-                assert bound is not None
-                assert options.reconcile is not None
-                answer = _reconciled(options.reconcile, plan.key, bound.arguments)
-            else:  # pragma: no cover - the protocol yields nothing else
-                raise AssertionError(command)
+def _async_tool(
+    fn: Callable[..., Awaitable[Any]], guard: Guard, binder: Binder
+) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def protected(*args: Any, **kwargs: Any) -> Any:
+        bound = binder.bind(args, kwargs)
 
-    def _run_sync(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        options: ToolOptions,
-        plan: CallPlan | None,
-        command: Run,
-    ) -> Ran:
-        if plan is None:
-            try:
-                return Ran(value=fn(*args, **kwargs))
-            except Exception as exc:
-                return Ran(error=exc)
-        call_args, call_kwargs = options.binder.call_args(args, kwargs, plan.key)
-        job = self._heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
-        )
-        token = set_key(plan.key)
-        try:
-            value = fn(*call_args, **call_kwargs)
-        except Exception as exc:
-            return Ran(error=exc, renewed_at=job.renewed_at)
-        finally:
-            reset_key(token)
-            self._heartbeat.stop(job)
-        return Ran(value=value, renewed_at=job.renewed_at)
+        def work(key: str) -> Awaitable[Any]:
+            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            return fn(*call_args, **call_kwargs)
 
-    # -- the async driver ------------------------------------------------------------------
+        return await guard._aexecute(bound, work, None)
 
-    def _async_wrapper(
-        self, fn: Callable[..., Awaitable[Any]], options: ToolOptions
-    ) -> Callable[..., Awaitable[Any]]:
-        @functools.wraps(fn)
-        async def protected(*args: Any, **kwargs: Any) -> Any:
-            if not options.recorded:
-                plain = retry_only(options.policy)
-                return await self._adrive(plain, fn, args, kwargs, options, None)
-            plan, bound = self._plan(options, args, kwargs)
-            flight, leader = self._flights.join(plan.namespace, plan.key, plan.fingerprint)
-            if not leader:
-                if flight.fingerprint != plan.fingerprint:
-                    raise self._mismatch(plan)
-                if not await flight.wait_async(plan.policy.wait):
-                    raise InProgress(plan.policy.tool, plan.key)
-                return flight.outcome()
-            try:
-                value = await self._adrive(protect(plan), fn, args, kwargs, options, plan, bound)
-            except BaseException as exc:
-                self._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
-                raise
-            self._flights.land(plan.namespace, plan.key, flight, value, None)
-            return value
-
-        return protected
-
-    async def _adrive(
-        self,
-        protocol: Protocol,
-        fn: Callable[..., Awaitable[Any]],
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        options: ToolOptions,
-        plan: CallPlan | None,
-        bound: BoundCall | None = None,
-    ) -> Any:
-        store, ns = self.async_store, self.namespace
-        answer: Any = None
-        while True:
-            try:
-                command = protocol.send(answer)
-            except StopIteration as stop:
-                return stop.value
-            if isinstance(command, Now):
-                answer = time.monotonic()
-            elif isinstance(command, Write):
-                assert plan is not None
-                answer = await store.write(ns, plan.key, command.change)
-            elif isinstance(command, Claim):
-                assert plan is not None
-                answer = await store.claim(
-                    ns,
-                    plan.key,
-                    fingerprint=plan.fingerprint,
-                    tool=plan.policy.tool,
-                    effect=plan.policy.effect,
-                    owner=plan.owner,
-                    lease=plan.policy.lease,
-                )
-            elif isinstance(command, Run):
-                answer = await self._run_async(fn, args, kwargs, options, plan, command)
-            elif isinstance(command, Wait):
-                assert plan is not None
-                answer = await store.wait(ns, plan.key, command.fence, command.timeout)
-            elif isinstance(command, Sleep):
-                await asyncio.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Reconcile):
-                assert plan is not None
-                assert bound is not None
-                assert options.reconcile is not None
-                answer = _reconciled(options.reconcile, plan.key, bound.arguments)
-                if inspect.isawaitable(answer):
-                    try:
-                        answer = await answer
-                    except Exception:
-                        log.warning("twiceshy: reconcile of key %s failed", plan.key, exc_info=True)
-                        answer = None
-            else:  # pragma: no cover - the protocol yields nothing else
-                raise AssertionError(command)
-
-    async def _run_async(
-        self,
-        fn: Callable[..., Awaitable[Any]],
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        options: ToolOptions,
-        plan: CallPlan | None,
-        command: Run,
-    ) -> Ran:
-        if plan is None:
-            try:
-                return Ran(value=await fn(*args, **kwargs))
-            except Exception as exc:
-                return Ran(error=exc)
-        call_args, call_kwargs = options.binder.call_args(args, kwargs, plan.key)
-        job = self._heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
-        )
-        token = set_key(plan.key)
-        try:
-            value = await fn(*call_args, **call_kwargs)
-        except Exception as exc:
-            return Ran(error=exc, renewed_at=job.renewed_at)
-        finally:
-            reset_key(token)
-            self._heartbeat.stop(job)
-        return Ran(value=value, renewed_at=job.renewed_at)
+    return protected

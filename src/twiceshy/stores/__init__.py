@@ -194,7 +194,10 @@ class ThreadedAsyncStore:
 
 
 def open_store(url: str) -> tuple[Store, AsyncStore]:
-    """Open the store a URL names: ``memory://``, ``sqlite:///path/ledger.db``.
+    """Open the store a URL names.
+
+    ``memory://``, ``sqlite:///path/ledger.db``, ``postgresql://user@host/db`` (the
+    ``postgres`` extra), ``redis://host:6379/0`` (the ``redis`` extra).
 
     Args:
         url: the ledger URL.
@@ -204,6 +207,8 @@ def open_store(url: str) -> tuple[Store, AsyncStore]:
 
     Raises:
         ValueError: the URL names no store twiceshy knows.
+        ImportError: the store's extra is not installed.
+        StoreUnavailable: the store cannot be reached.
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -217,8 +222,26 @@ def open_store(url: str) -> tuple[Store, AsyncStore]:
 
         sqlite = SQLiteStore.from_url(url)
         return sqlite, ThreadedAsyncStore(sqlite)
-    known = "memory://, sqlite:///path"
+    if scheme in ("postgresql", "postgres"):
+        try:
+            from .postgres import open_postgres
+        except ImportError as exc:
+            raise _missing_extra("postgres", exc) from exc
+        return open_postgres(url)
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            from .redis import open_redis
+        except ImportError as exc:
+            raise _missing_extra("redis", exc) from exc
+        return open_redis(url)
+    known = "memory://, sqlite:///path, postgresql://..., redis://..."
     raise ValueError(f"unknown ledger URL {url!r}: expected one of {known}")
+
+
+def _missing_extra(extra: str, exc: ImportError) -> ImportError:
+    return ImportError(
+        f"the {extra} ledger needs its client library: pip install 'twiceshy[{extra}]' ({exc})"
+    )
 
 
 def default_url() -> str:
