@@ -46,7 +46,7 @@ from ._protocol import (
     retry_only,
 )
 from ._records import Effect
-from ._scope import current_scope, reset_key, set_key
+from ._scope import Current, current_scope, reset_call, set_call
 from .errors import InProgress, KeyReuseMismatch, MissingScope
 from .stores import AsyncStore, Store, default_url, open_store
 
@@ -290,13 +290,13 @@ class Guard:
         job = heartbeat.start(
             plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
         )
-        token = set_key(plan.key)
+        token = set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
         try:
             value = work(plan.key)
         except Exception as exc:
             return Ran(error=exc, renewed_at=job.renewed_at)
         finally:
-            reset_key(token)
+            reset_call(token)
             heartbeat.stop(job)
         return Ran(value=value, renewed_at=job.renewed_at)
 
@@ -380,13 +380,13 @@ class Guard:
         job = heartbeat.start(
             plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
         )
-        token = set_key(plan.key)
+        token = set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
         try:
             value = await work(plan.key)
         except Exception as exc:
             return Ran(error=exc, renewed_at=job.renewed_at)
         finally:
-            reset_key(token)
+            reset_call(token)
             heartbeat.stop(job)
         return Ran(value=value, renewed_at=job.renewed_at)
 

@@ -8,11 +8,26 @@ from __future__ import annotations
 
 import contextvars
 from types import TracebackType
+from typing import NamedTuple
 
-__all__ = ["current_key", "current_scope", "run"]
+from ._records import Effect
+
+__all__ = ["Current", "current_call", "current_key", "current_scope", "run"]
 
 _scope: contextvars.ContextVar[str | None] = contextvars.ContextVar("twiceshy_scope", default=None)
-_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("twiceshy_key", default=None)
+
+
+class Current(NamedTuple):
+    """The protected call running in this context."""
+
+    key: str
+    tool: str
+    effect: Effect
+
+
+_call: contextvars.ContextVar[Current | None] = contextvars.ContextVar(
+    "twiceshy_call", default=None
+)
 
 
 class run:
@@ -79,14 +94,20 @@ def current_key() -> str | None:
     Inside a KEYED tool, hand it to the provider as its idempotency key: it is the same on every
     attempt of the intent, takeovers after a crash included.
     """
-    return _key.get()
+    call = _call.get()
+    return call.key if call is not None else None
 
 
-def set_key(key: str | None) -> contextvars.Token[str | None]:
-    """Set the current key (for drivers)."""
-    return _key.set(key)
+def current_call() -> Current | None:
+    """The key, tool name and effect class of the protected call running now, if any."""
+    return _call.get()
 
 
-def reset_key(token: contextvars.Token[str | None]) -> None:
-    """Undo :func:`set_key` (for drivers)."""
-    _key.reset(token)
+def set_call(call: Current) -> contextvars.Token[Current | None]:
+    """Set the current call (for drivers)."""
+    return _call.set(call)
+
+
+def reset_call(token: contextvars.Token[Current | None]) -> None:
+    """Undo :func:`set_call` (for drivers)."""
+    _call.reset(token)

@@ -1,0 +1,19 @@
+"""``Idempotency-Key`` on outbound ``httpx`` requests made inside KEYED tools.
+
+    client = httpx.Client(transport=IdempotencyKeyTransport())
+
+Every POST/PUT/PATCH/DELETE sent inside a protected KEYED call carries a header derived from the
+call's key and the request's method, URL and body (see :mod:`twiceshy.integrations._http`): an
+SDK's retry of one request repeats it, two different requests differ. A header already set by the
+caller is left alone. Install with ``pip install 'twiceshy[httpx]'``.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from ._http import make_transports
+
+__all__ = ["AsyncIdempotencyKeyTransport", "IdempotencyKeyTransport"]
+
+IdempotencyKeyTransport, AsyncIdempotencyKeyTransport = make_transports(httpx)

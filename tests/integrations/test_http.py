@@ -1,0 +1,187 @@
+"""The Idempotency-Key transports for httpx and httpx2, against a provider double on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import httpx2
+import openai
+import pytest
+
+import twiceshy
+from twiceshy.integrations import httpx as tx
+from twiceshy.integrations import httpx2 as tx2
+
+
+class Provider:
+    """A payment provider double: records every request's Idempotency-Key, deduplicates by it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str | None]] = []
+        self.charges: dict[str, dict[str, Any]] = {}
+        self.fail_first = 0
+        self.lock = threading.Lock()
+
+
+@pytest.fixture
+def provider() -> Iterator[tuple[Provider, str]]:
+    state = Provider()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            with state.lock:
+                state.seen.append(("GET", self.path, self.headers.get("Idempotency-Key")))
+            self._answer(200, {"ok": True})
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            key = self.headers.get("Idempotency-Key")
+            with state.lock:
+                state.seen.append(("POST", self.path, key))
+                if state.fail_first > 0:
+                    state.fail_first -= 1
+                    self._answer(500, {"error": "provider hiccup"})
+                    return
+                if key is not None and key in state.charges:
+                    self._answer(200, state.charges[key])
+                    return
+                charge = {"id": f"ch_{len(state.charges) + 1}", "body": body.decode()}
+                state.charges[key or f"anon-{len(state.seen)}"] = charge
+            self._answer(200, charge)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_keyed_call_sends_one_header_per_request_content(provider: tuple[Provider, str]) -> None:
+    """Inside a KEYED call, a repeated request carries the same header; another request differs."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx.Client(base_url=base, transport=tx.IdempotencyKeyTransport())
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> list[str]:
+        first = client.post("/v1/charges", json={"amount": amount}).json()["id"]
+        again = client.post("/v1/charges", json={"amount": amount}).json()["id"]
+        other = client.post("/v1/refunds", json={"amount": amount}).json()["id"]
+        return [first, again, other]
+
+    with twiceshy.run("run-h1"):
+        ids = charge(100)
+    with twiceshy.run("run-h2"):
+        other_run = charge(100)
+    client.close()
+    keys = [k for _, _, k in state.seen]
+    assert all(k is not None and len(k) == 64 for k in keys)
+    assert keys[0] == keys[1]
+    assert keys[2] != keys[0]
+    assert ids[0] == ids[1] != ids[2]
+    assert set(keys[3:]).isdisjoint(keys[:3])
+    assert other_run[0] != ids[0]
+
+
+def test_no_header_outside_keyed_calls(provider: tuple[Provider, str]) -> None:
+    """No header outside a protected call, in an UNSAFE call, on a GET, or over one already set."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx.Client(base_url=base, transport=tx.IdempotencyKeyTransport())
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def unsafe() -> None:
+        client.post("/v1/charges", json={})
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def keyed() -> None:
+        client.get("/v1/charges")
+        client.post("/v1/charges", json={}, headers={"Idempotency-Key": "mine"})
+
+    client.post("/v1/charges", json={})
+    with twiceshy.run("run-h3"):
+        unsafe()
+        keyed()
+    client.close()
+    assert [k for _, _, k in state.seen] == [None, None, None, "mine"]
+
+
+def test_async_transport(provider: tuple[Provider, str]) -> None:
+    """The async transport adds the same header as the sync one for the same request."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    async def charge(amount: int) -> str:
+        async with httpx.AsyncClient(
+            base_url=base, transport=tx.AsyncIdempotencyKeyTransport()
+        ) as client:
+            response = await client.post("/v1/charges", json={"amount": amount})
+            return str(response.json()["id"])
+
+    @ledger.tool(effect=twiceshy.KEYED, name="charge")
+    def charge_sync(amount: int) -> str:
+        with httpx.Client(base_url=base, transport=tx.IdempotencyKeyTransport()) as client:
+            return str(client.post("/v1/charges", json={"amount": amount}).json()["id"])
+
+    async def main() -> str:
+        with twiceshy.run("run-h4"):
+            return await charge(7)
+
+    first = asyncio.run(main())
+    other = twiceshy.Ledger("memory://")  # a second process, say: same intent, same key
+    again = other.tool(effect=twiceshy.KEYED, name="charge")(charge_sync.__wrapped__)  # type: ignore[attr-defined]
+    with twiceshy.run("run-h4"):
+        assert again(7) == first
+    keys = [k for _, _, k in state.seen]
+    assert len(keys) == 2
+    assert keys[0] == keys[1]
+    assert len(state.charges) == 1
+
+
+def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]) -> None:
+    """The OpenAI SDK (httpx2) retrying a failed request sends the same Idempotency-Key again."""
+    state, base = provider
+    state.fail_first = 1
+    ledger = twiceshy.Ledger("memory://")
+    http_client = httpx2.Client(transport=tx2.IdempotencyKeyTransport())
+    client = openai.OpenAI(
+        base_url=f"{base}/v1", api_key="test", http_client=http_client, max_retries=2
+    )
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def create(name: str) -> str:
+        response = client.post("/charges", body={"name": name}, cast_to=httpx2.Response)
+        return str(response.json()["id"])
+
+    with twiceshy.run("run-h5"):
+        charge_id = create("x")
+    client.close()
+    posts = [k for method, _, k in state.seen if method == "POST"]
+    assert len(posts) == 2
+    assert posts[0] is not None
+    assert len(posts[0]) == 64  # ours: the SDK itself sends no Idempotency-Key
+    assert posts[0] == posts[1]
+    assert charge_id == "ch_1"
+    assert len(state.charges) == 1
