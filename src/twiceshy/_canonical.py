@@ -15,8 +15,10 @@ canonical form is refused with :class:`~twiceshy.errors.UnkeyableType` or
 :class:`~twiceshy.errors.UnkeyableValue`, naming where in the arguments it sits.
 
 The module is written for speed: one recursive pass that appends text to a list, with exact-type
-fast paths for the common JSON types, string escaping done by the C helper behind :mod:`json`, and
-no bookkeeping on the happy path (paths are built only while a refusal travels up the stack).
+fast paths for the common JSON types, string escaping done by the C helper behind :mod:`json`, the
+sorted and quoted keys of each shape of dict remembered (see ``_SHAPES``), and no bookkeeping on
+the happy path: paths are built only while a refusal travels up the stack, and cycles are found
+by the depth bound (a cycle is infinitely deep) rather than by tracking the containers on the way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import enum
 import hashlib
 import itertools
 import re
+import reprlib
 import uuid
 from collections.abc import Iterable, Mapping
 from json import dumps as _json_dumps
@@ -103,10 +106,8 @@ def _path(segments: list[str]) -> str:
     return "args" + "".join(segments)
 
 
-def _key_segment(key: object) -> str:
-    if isinstance(key, str) and key.isidentifier():
-        return f".{key}"
-    return f"[{_json_dumps(str(key) if isinstance(key, int) else key)}]"
+def _key_segment(key: str) -> str:
+    return f".{key}" if key.isidentifier() else f"[{_json_dumps(key)}]"
 
 
 def _index_segment(items: Iterable[object], item: object) -> str:
@@ -124,6 +125,11 @@ def _too_large() -> _Refusal:
 
 def _too_deep(value: object) -> _Refusal:
     return _Refusal(UnkeyableValue, "too deep", value, kind=_Refusal.DEPTH)
+
+
+_SHORT = reprlib.Repr()  # for values quoted in messages
+_SHORT.maxstring = _SHORT.maxother = 40
+_short: Final = _SHORT.repr
 
 
 def _type_name(value: object) -> str:
@@ -308,7 +314,7 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int) -> int
                     budget = _emit(x, out, room, budget)
         except ValueError:
             # An int past Python's int-to-str digit limit: write it exactly, then carry on with
-            # the same iterator (keeping this off the per-item path costs nothing elsewhere).
+            # the same iterator (caught here, it costs the per-item path nothing).
             if type(x) is not int:
                 raise
             append(p + _int_text(x))
@@ -330,7 +336,7 @@ _Plan = list[tuple[str, str]]
 _SHAPES: Final[dict[tuple[Any, ...], tuple[_Plan, int]]] = {}
 _SHAPES_MAX: Final = 1024  # shapes
 _SHAPE_KEYS_MAX: Final = 64  # keys of one shape
-_SHAPE_CHARS_MAX: Final = 4096  # characters of one shape's keys
+_SHAPE_CHARS_MAX: Final = 1024  # characters of one shape's keys
 
 
 def _plan(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
@@ -339,19 +345,32 @@ def _plan(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
     The plan lists (key, ``{"key":`` or ``,"key":``) in output order; with it comes the keys'
     total length.
     """
-    for k in keys:
+    try:
+        ordered = sorted(keys)
+    except Exception:  # keys of several types, or that fail to compare: the general path
+        return None  # converts them to text or refuses them
+    steps = []
+    sep = "{"
+    chars = 0
+    for k in ordered:
         if type(k) is not str:
             return None
-    joined = "".join(keys)
-    if joined.isascii():  # code-point order is UTF-16 order only for ASCII
-        ordered = sorted(keys)
-    else:
-        ordered = sorted(keys, key=_utf16)
-        if len(set(map(_utf16, keys))) < len(keys):  # a surrogate pair and its character
-            return None  # the general path names the collision
-    # Quoted keys never hold a raw NUL (it is escaped), so NUL can split them apart again.
-    prefixes = ("{" + ":\0,".join(map(_quote, ordered)) + ":").split("\0")
-    return list(zip(ordered, prefixes, strict=True)), len(joined)
+        if not k.isascii():  # code-point order is UTF-16 order only for ASCII
+            return _plan_utf16(keys)
+        steps.append((k, f"{sep}{_quote(k)}:"))
+        sep = ","
+        chars += len(k)
+    return steps, chars
+
+
+def _plan_utf16(keys: tuple[Any, ...]) -> tuple[_Plan, int] | None:
+    if not all(type(k) is str for k in keys):
+        return None
+    ordered = sorted(keys, key=_utf16)
+    if len(set(map(_utf16, keys))) < len(keys):  # a surrogate pair and its character
+        return None  # the general path names the collision
+    steps = [(k, f"{',' if n else '{'}{_quote(k)}:") for n, k in enumerate(ordered)]
+    return steps, sum(map(len, keys))
 
 
 def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget: int) -> int:
@@ -536,7 +555,7 @@ def _key_text(key: object) -> str:
         return _key_text(key.value)
     raise _Refusal(
         UnkeyableType,
-        f"a mapping key must be a str or an int, not a {_type_name(key)} ({key!r})",
+        f"a mapping key must be a str or an int, not a {_type_name(key)} ({_short(key)})",
     )
 
 
@@ -556,14 +575,14 @@ def _sorted_pairs(
         # Equal UTF-16 means one JavaScript string (a surrogate pair and its astral character).
         if before[0] == after[0] or _utf16(before[0]) == _utf16(after[0]):
             colliding = (
-                [repr(k) for k in original if _key_text(k) == before[0]]
+                [_short(k) for k in original if _utf16(_key_text(k)) == _utf16(before[0])]
                 if original is not None
                 else []
             )
             raise _Refusal(
                 UnkeyableValue,
-                f"the keys {' and '.join(colliding) or repr(before[0])} collide: both are written "
-                f"as {_quote(after[0])}",
+                f"the keys {' and '.join(colliding) or _short(before[0])} collide: "
+                f"both are written as {_quote(after[0])}",
             )
     return pairs
 
@@ -600,7 +619,10 @@ def _canonical(value: object, max_depth: int, max_bytes: int) -> tuple[str, byte
     """The canonical text, and its UTF-8 bytes when they had to be computed anyway."""
     out: list[str] = []
     try:
-        _emit(value, out, max_depth, max_bytes)
+        if type(value) is dict:  # the usual case, one call shorter
+            _emit_dict(value, out, max_depth, max_bytes)
+        else:
+            _emit(value, out, max_depth, max_bytes)
     except _Refusal as refusal:
         raise refusal.to_error(max_depth, max_bytes) from None
     except RecursionError:
@@ -634,16 +656,21 @@ def canonical_json(value: object, *, max_depth: int = MAX_DEPTH, max_bytes: int 
     Python values are mapped to JSON first:
 
     - ``None`` → ``null``; ``bool`` → ``true``/``false``, never a number.
-    - ``int`` → its exact decimal text. Unlike JavaScript, which cannot hold integers beyond
-      2**53 exactly, every int is written in full: ``2**64`` is ``18446744073709551616``.
+    - ``int`` → its exact decimal text, at any size. This differs from JavaScript beyond
+      2**53: a JavaScript number cannot hold ``2**64 + 1`` and writes ``2**70`` as
+      ``1.1805916207174113e+21``, where Python writes ``18446744073709551617`` and
+      ``1180591620717411303424``. Within ±2**53 an int and the equal float give one text; beyond
+      it they may not, and a TypeScript agent that sends such numbers names another intent.
     - ``float`` → ECMAScript number text; ``1`` and ``1.0`` are one intent. NaN and ±Infinity
       are refused (JavaScript would write ``null`` and silently merge intents).
     - ``str`` → itself; subclasses of ``str``, ``int`` and ``float`` map as the base type.
     - ``list``, ``tuple`` (and subclasses) → array; ``set``, ``frozenset`` → array sorted by
       the canonical texts of the members, in UTF-16 order (as JavaScript's default sort).
-    - ``Mapping`` with ``str`` or ``int`` keys (``int`` keys as decimal text; enum keys by their
-      value) → object. Keys of other types (``bool``, ``None``, ``float``, tuples...) are
-      refused, and so are keys that collide once converted (``{1: ..., "1": ...}``).
+    - ``Mapping`` with ``str`` or ``int`` keys → object: a ``str`` key (a StrEnum member
+      included) is its text, an ``int`` key (an IntEnum member included) its decimal text, and
+      another enum member its value, if that is a str or an int. Keys of other types (``bool``,
+      ``None``, ``float``, tuples...) are refused, and so are keys that collide once converted
+      (``{1: ..., "1": ...}``).
     - dataclass, attrs and pydantic model instances → object of their fields (a pydantic model
       through ``model_dump(mode="python")``); a TypedDict is a dict.
     - ``enum.Enum`` → its ``value``, mapped in turn (IntEnum and StrEnum included).
@@ -661,7 +688,8 @@ def canonical_json(value: object, *, max_depth: int = MAX_DEPTH, max_bytes: int 
 
     Args:
         value: the arguments (any of the types above, nested).
-        max_depth: how many arrays and objects may nest inside one another.
+        max_depth: how many arrays and objects may nest inside one another (dataclasses and
+            models count as objects, sets as arrays); a cycle is refused as such.
         max_bytes: the largest canonical text, in UTF-8 bytes.
 
     Returns:
@@ -684,9 +712,11 @@ def _checked_names(scope: object, tool: object) -> tuple[str, str]:
         if not name:
             raise UnkeyableValue(path, "must not be empty")
         if path == "tool" and ":" in name:
-            raise UnkeyableValue(path, f"must not contain ':' (it makes keys ambiguous): {name!r}")
+            raise UnkeyableValue(
+                path, f"must not contain ':' (it makes keys ambiguous): {_short(name)}"
+            )
         if _SURROGATE.search(name):
-            raise UnkeyableValue(path, f"must not contain a lone surrogate: {name!r}")
+            raise UnkeyableValue(path, f"must not contain a lone surrogate: {_short(name)}")
         names.append(str.__str__(name))
     return names[0], names[1]
 
@@ -718,6 +748,4 @@ def idempotency_key(scope: str, tool: str, args: object) -> str:
         scope, tool = _checked_names(scope, tool)
         raise  # pragma: no cover - the check raises
     text, data = _canonical(args, MAX_DEPTH, MAX_BYTES)
-    digest = hashlib.sha256(head)
-    digest.update(text.encode() if data is None else data)
-    return digest.hexdigest()
+    return hashlib.sha256(head + (text.encode() if data is None else data)).hexdigest()
