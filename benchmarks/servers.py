@@ -1,0 +1,324 @@
+"""Per-call cost on the PostgreSQL and Redis ledgers, beside the floor and a peer, in one run.
+
+    python benchmarks/servers.py [--quick] [--records N]
+
+For each server store:
+
+- *first call*: a KEYED tool's new intent (claim, run, record); *replay*: a retry of a recorded
+  intent. The tool does nothing, so what is measured is twiceshy's own cost.
+- *floor*: the same client doing the same number of raw round trips: for PostgreSQL two
+  committed single-row writes (an INSERT and an UPDATE, each its own transaction, so each waits
+  for the WAL flush as a claim and a record do) for a first call and one primary-key SELECT for
+  a replay; for Redis two HSETs for a first call and one HGETALL for a replay.
+- *peer*: Powertools for AWS Lambda's idempotency utility with its Redis persistence layer on the
+  same Redis (outside Lambda: ``ssl=False``; it needs boto3 importable).
+- *wake-up*: a waiter blocked on a running call, woken by the owner recording its outcome:
+  the time from the owner's write returning to the waiter returning.
+- *flat*: first call and replay again after the store holds ``--records`` other records.
+
+Medians of per-call times; the machine is shared, so compare ratios within one run. Only
+127.0.0.1 is used; everything the run creates (a schema, a key prefix) is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import redis
+
+import twiceshy
+from twiceshy import Change, Effect, State
+
+POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def timed(fn: Callable[[int], object], calls: int) -> list[int]:
+    """Nanoseconds of ``calls`` calls of ``fn``, one by one."""
+    out = []
+    for i in range(calls):
+        start = time.perf_counter_ns()
+        fn(i)
+        out.append(time.perf_counter_ns() - start)
+    return out
+
+
+def median_us(times: list[int]) -> float:
+    """The median, in microseconds."""
+    return statistics.median(times) / 1000
+
+
+class Run:
+    """One measurement's cases taking turns, round by round."""
+
+    def __init__(self, rounds: int, calls: int) -> None:
+        self.rounds, self.calls = rounds, calls
+
+    def interleave(self, cases: dict[str, Callable[[int], object]]) -> dict[str, float]:
+        """Median per call of each case, the cases taking turns."""
+        times: dict[str, list[int]] = {name: [] for name in cases}
+        for fn in cases.values():
+            timed(fn, 5)  # warm up
+        for _ in range(self.rounds):
+            for name, fn in cases.items():
+                times[name] += timed(fn, self.calls)
+        return {name: median_us(t) for name, t in times.items()}
+
+
+def protected(ledger: twiceshy.Ledger) -> tuple[Callable[[int], object], Callable[[int], object]]:
+    """(first call, replay) of a KEYED tool on ``ledger``."""
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int, customer: str) -> dict[str, object]:
+        return {"id": "ch_1", "amount": amount, "customer": customer}
+
+    prefix = f"bench-{secrets.token_hex(4)}"
+    counter = iter(range(10**9))
+    replay_scope = twiceshy.run(f"{prefix}-replay")
+    with replay_scope:
+        charge(4900, "cus_1")
+
+    def first(i: int) -> object:
+        with twiceshy.run(f"{prefix}-{next(counter)}"):
+            return charge(4900, "cus_1")
+
+    def replay(i: int) -> object:
+        with replay_scope:
+            return charge(4900, "cus_1")
+
+    return first, replay
+
+
+def _waiter(store: Any, key: str, waiting: threading.Event, woke: list[int]) -> None:
+    waiting.set()
+    store.wait("", key, 1, 10.0)
+    woke.append(time.perf_counter_ns())
+
+
+def wake_up(ledger: twiceshy.Ledger, trials: int) -> float:
+    """Median ms from an owner's recording write returning to a blocked waiter returning."""
+    store, other = ledger.store, twiceshy.Ledger(ledger.url).store
+    delays = []
+    for i in range(trials):
+        key = f"wake-{secrets.token_hex(6)}-{i}"
+        snap = store.claim(
+            "", key, fingerprint="f", tool="t", effect=Effect.KEYED, owner="owner", lease=30
+        )
+        assert snap.won
+        woke: list[int] = []
+        waiting = threading.Event()
+        thread = threading.Thread(target=_waiter, args=(other, key, waiting, woke))
+        thread.start()
+        waiting.wait(5)
+        time.sleep(0.02)  # let the waiter block
+        store.write(
+            "", key, Change(1, frozenset({State.CLAIMED}), State.SUCCEEDED, owner="owner", ttl=60)
+        )
+        written = time.perf_counter_ns()
+        thread.join(10)
+        delays.append(woke[0] - written)
+    other.close()
+    return statistics.median(delays) / 1e6
+
+
+def postgres(run: Run, records: int) -> dict[str, float]:
+    """Measure the PostgreSQL ledger and its floor."""
+    schema = f"twiceshy_bench_{secrets.token_hex(4)}"
+    ledger = twiceshy.Ledger(f"{POSTGRES}?schema={schema}")
+    first, replay = protected(ledger)
+    conn = psycopg.connect(POSTGRES, autocommit=True)
+    conn.execute(f"CREATE TABLE {schema}.floor (k text PRIMARY KEY, v text)")
+    conn.execute(f"INSERT INTO {schema}.floor VALUES ('replayed', 'x')")
+    counter = iter(range(10**9))
+
+    def floor_first(i: int) -> None:
+        k = f"k{next(counter)}"
+        conn.execute(f"INSERT INTO {schema}.floor VALUES (%s, 'claimed')", (k,))
+        conn.execute(f"UPDATE {schema}.floor SET v = 'done' WHERE k = %s", (k,))
+
+    def floor_read(i: int) -> None:
+        conn.execute(f"SELECT * FROM {schema}.floor WHERE k = 'replayed'").fetchone()
+
+    try:
+        out = run.interleave(
+            {"first": first, "replay": replay, "floor first": floor_first, "floor read": floor_read}
+        )
+        out["wake ms"] = wake_up(ledger, 30)
+        conn.execute(
+            f"""INSERT INTO {schema}.records
+            SELECT '', md5(i::text), 'f', 'bulk', 'keyed', 'succeeded', 1, 'o', NULL, 1, '{{}}',
+                   NULL, NULL, extract(epoch from now()), extract(epoch from now()), NULL
+            FROM generate_series(1, %s) AS i""",
+            (records,),
+        )
+        conn.execute(f"ANALYZE {schema}.records")
+        full = run.interleave({"first": first, "replay": replay})
+        out["first full"], out["replay full"] = full["first"], full["replay"]
+    finally:
+        ledger.close()
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        conn.close()
+    return out
+
+
+def redis_store(run: Run, records: int) -> dict[str, float]:
+    """Measure the Redis ledger, its floor and Powertools."""
+    prefix = f"twiceshy-bench-{secrets.token_hex(4)}"
+    ledger = twiceshy.Ledger(f"{REDIS}?prefix={prefix}")
+    first, replay = protected(ledger)
+    client = redis.Redis.from_url(REDIS)
+    client.hset(f"{prefix}:floor:replayed", mapping={"state": "succeeded", "result": "{}"})
+    counter = iter(range(10**9))
+
+    def floor_first(i: int) -> None:
+        k = f"{prefix}:floor:{next(counter)}"
+        client.hset(k, mapping={"state": "claimed", "owner": "o"})
+        client.hset(k, mapping={"state": "succeeded", "result": "{}"})
+
+    def floor_read(i: int) -> None:
+        client.hgetall(f"{prefix}:floor:replayed")
+
+    pt_first, pt_replay = powertools(prefix)
+    try:
+        out = run.interleave(
+            {
+                "first": first,
+                "replay": replay,
+                "floor first": floor_first,
+                "floor read": floor_read,
+                "powertools first": pt_first,
+                "powertools replay": pt_replay,
+            }
+        )
+        out["wake ms"] = wake_up(ledger, 30)
+        store: Any = ledger.store
+        pipe = client.pipeline(transaction=False)
+        now = time.time()
+        for i in range(records):
+            name = store._core.names("", f"bulk-{i}")[0]  # the store's own key layout
+            pipe.hset(
+                name,
+                mapping={
+                    "namespace": "",
+                    "key": f"bulk-{i}",
+                    "fingerprint": "f",
+                    "tool": "bulk",
+                    "effect": "keyed",
+                    "state": "succeeded",
+                    "fence": 1,
+                    "owner": "o",
+                    "attempts": 1,
+                    "result": "{}",
+                    "created_at": now,
+                    "updated_at": now,
+                },
+            )
+            if i % 10_000 == 9_999:
+                pipe.execute()
+        pipe.execute()
+        full = run.interleave({"first": first, "replay": replay})
+        out["first full"], out["replay full"] = full["first"], full["replay"]
+    finally:
+        ledger.close()
+        for batch in _batches(client.scan_iter(match=f"{prefix}*", count=10_000)):
+            client.delete(*batch)
+        for batch in _batches(client.scan_iter(match="bench-powertools*", count=10_000)):
+            client.delete(*batch)
+        client.close()
+    return out
+
+
+def _batches(keys: Any, size: int = 10_000) -> Any:
+    batch: list[Any] = []
+    for key in keys:
+        batch.append(key)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def powertools(prefix: str) -> tuple[Callable[[int], object], Callable[[int], object]]:
+    """(first call, replay) of Powertools' idempotent_function on the same Redis."""
+    logging.getLogger("aws_lambda_powertools").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from aws_lambda_powertools.utilities.idempotency import (
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.persistence.redis import (
+            RedisCachePersistenceLayer,
+        )
+
+        layer = RedisCachePersistenceLayer(host="127.0.0.1", port=6379, ssl=False)
+    config = IdempotencyConfig(expires_after_seconds=3600)
+
+    @idempotent_function(
+        data_keyword_argument="data",
+        persistence_store=layer,
+        config=config,
+        key_prefix="bench-powertools",
+    )
+    def charge(data: dict[str, Any]) -> dict[str, Any]:
+        return {"id": "ch_1", **data}
+
+    counter = iter(range(10**9))
+    tag = secrets.token_hex(4)
+
+    def quiet(data: dict[str, Any]) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return charge(data=data)
+
+    quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-replay"})
+    return (
+        lambda i: quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-{next(counter)}"}),
+        lambda i: quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-replay"}),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls, for a smoke run")
+    parser.add_argument("--records", type=int, default=1_000_000, help="records for 'flat'")
+    args = parser.parse_args()
+    run = Run(2, 20) if args.quick else Run(6, 60)
+    records = min(args.records, 10_000) if args.quick else args.records
+    results = {"postgres": postgres(run, records), "redis": redis_store(run, records)}
+    print(f"median per call in microseconds; {run.rounds} rounds of {run.calls} calls per case")
+    header = (
+        f"{'store':<9} {'first':>8} {'floor':>8} {'ratio':>6} {'replay':>8} {'1 trip':>8}"
+        f" {'ratio':>6} {'wake ms':>8} {f'first@{records:,}':>15} {f'replay@{records:,}':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(
+            f"{name:<9} {r['first']:>8.0f} {r['floor first']:>8.0f}"
+            f" {r['first'] / r['floor first']:>6.2f} {r['replay']:>8.0f} {r['floor read']:>8.0f}"
+            f" {r['replay'] / r['floor read']:>6.2f} {r['wake ms']:>8.2f}"
+            f" {r['first full']:>15.0f} {r['replay full']:>16.0f}"
+        )
+    r = results["redis"]
+    print()
+    print("Powertools for AWS Lambda (idempotent_function, Redis layer) on the same Redis:")
+    print(
+        f"  first call {r['powertools first']:.0f} us, replay {r['powertools replay']:.0f} us;"
+        f" twiceshy's replay is {r['powertools replay'] / r['replay']:.1f}x faster,"
+        f" its first call {r['powertools first'] / r['first']:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
