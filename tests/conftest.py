@@ -47,6 +47,7 @@ def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], Non
     """A PostgreSQL store in a schema of its own, dropped afterwards."""
     url = servers.require("postgres")
     import psycopg
+
     from twiceshy.stores.postgres import PostgresStore
 
     schema = f"twiceshy_test_{secrets.token_hex(6)}"
@@ -64,6 +65,7 @@ def _redis(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]
     """A Redis store under a key prefix of its own, whose keys are deleted afterwards."""
     url = servers.require("redis")
     import redis
+
     from twiceshy.stores.redis import RedisStore
 
     prefix = f"twiceshy-test:{secrets.token_hex(6)}"

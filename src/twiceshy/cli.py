@@ -1,26 +1,353 @@
-"""The ``twiceshy`` command line (the ``cli`` extra: click and rich)."""
+"""The ``twiceshy`` command line (the ``cli`` extra: click and rich).
+
+An operator's view of a ledger: list records (``ls``), inspect one (``show``), settle a parked one
+(``resolve``), remove expired outcomes (``gc``) and count what is there (``stats``); and ``demo``,
+the re-enacted double charge. Every ledger command takes ``--ledger URL`` (or
+``TWICESHY_LEDGER``) and ``--namespace NS``.
+
+Exit codes:
+    0: done.
+    1: refused or not found: an unknown key, an ambiguous prefix, a record that may not be
+       resolved, a resolve that lost a race.
+    2: usage: a bad option, a bad ledger URL (click's own usage errors included).
+    3: the ledger cannot be reached or used.
+
+Every error is one line on stderr; no traceback.
+"""
 
 from __future__ import annotations
 
 try:
     import click
+    from rich import box
     from rich.console import Console
+    from rich.json import JSON
+    from rich.table import Table
+    from rich.text import Text
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         f"the twiceshy command line needs the cli extra: pip install 'twiceshy[cli]' ({exc})"
     ) from exc
 
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, Final, NoReturn, TypeVar
+from urllib.parse import unquote, urlsplit
+
 import twiceshy
 
+from ._codec import ResultCodec
 from ._demo import run_demo
+from ._protocol import TRANSITIONS, Actor
+from ._records import Change, Record, State
+from .errors import ResultNotStorable, StoreError
+from .stores import Store, default_url, open_store
 
-__all__ = ["main"]
+__all__ = ["EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
+
+EXIT_REFUSED: Final = 1
+"""Refused or not found: an unknown key, an ambiguous prefix, a refused resolve, a lost race."""
+EXIT_USAGE: Final = 2
+"""Usage: a bad option or a bad ledger URL (click uses 2 for its own usage errors)."""
+EXIT_UNAVAILABLE: Final = 3
+"""The ledger cannot be reached or used."""
+
+RESOLVE_ERROR_TYPE: Final = "twiceshy.resolve"
+"""The error type recorded by ``resolve --failed`` (replayed as ``ReplayedError``)."""
+
+_SHORT_KEY: Final = 12
+_NO_DUPLICATES: Final = (
+    "Duplicates answered by replay or join: not available yet (the ledger does not count them)."
+)
+_NO_HISTORY: Final = "the ledger keeps a count of attempts, not a history of them"
+_STATE_STYLES: Final = {
+    State.CLAIMED: "yellow",
+    State.SUCCEEDED: "green",
+    State.FAILED: "magenta",
+    State.RELEASED: "cyan",
+    State.UNKNOWN: "bold red",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CommandError(click.ClickException):
+    """How every command fails: one line on stderr, exit code 1 (refused or not found).
+
+    Args:
+        message: what went wrong; newlines and runs of spaces are folded into one line.
+    """
+
+    exit_code = EXIT_REFUSED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class BadUsage(CommandError):
+    """A bad value the command could not use, such as an unknown ledger URL: exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class LedgerUnavailable(CommandError):
+    """The ledger cannot be reached or used: exit code 3."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+# -- durations and times ----------------------------------------------------------------------
+
+_DURATION: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)", re.IGNORECASE)
+_UNITS: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """A duration such as ``90`` or ``90s``, ``10m``, ``2h``, ``3d`` (``1.5h`` too), in seconds.
+
+    Raises:
+        ValueError: the text is no such duration.
+    """
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration like 90s, 10m, 2h or 3d")
+    return float(match[1]) * _UNITS[match[2].lower()]
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """An option's duration, in seconds."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+def _iso(seconds: float | None) -> str | None:
+    """A store time (seconds since the epoch) as ISO 8601 in UTC."""
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
+
+
+def _span(seconds: float) -> str:
+    """A length of time, short: ``0.4s``, ``42s``, ``5m``, ``3h``, ``2d``."""
+    s = abs(seconds)
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 2 * 3600:
+        return f"{s / 60:.0f}m"
+    if s < 2 * 86400:
+        return f"{s / 3600:.0f}h"
+    return f"{s / 86400:.0f}d"
+
+
+def _when(seconds: float | None, now: float) -> str:
+    """A store time as ISO 8601 and relative to the store's ``now``."""
+    if seconds is None:
+        return "-"
+    delta = seconds - now
+    relative = f"in {_span(delta)}" if delta > 0 else f"{_span(delta)} ago"
+    return f"{_iso(seconds)} ({relative})"
+
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+def _ledger_options(fn: F) -> F:
+    """Add ``--ledger`` and ``--namespace`` to a command."""
+    fn = click.option(
+        "--namespace",
+        metavar="NS",
+        default="",
+        help="The ledger's namespace (tenant). Default: the empty namespace.",
+    )(fn)
+    return click.option(
+        "--ledger",
+        "ledger_url",
+        metavar="URL",
+        envvar="TWICESHY_LEDGER",
+        show_envvar=True,
+        help=(
+            "The ledger: sqlite:///path, postgresql://..., redis://... Default: the library's "
+            "default, the embedded file $XDG_STATE_HOME/twiceshy/ledger.db."
+        ),
+    )(fn)
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return url
+    return url.replace(password, "***") if password else url
+
+
+def _scrubbed(message: str, url: str) -> str:
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return message
+    return message.replace(password, "***") if password else message
+
+
+@contextmanager
+def _opened(ledger_url: str | None) -> Iterator[Store]:
+    """Open the ledger's store for one command; store failures become :class:`CommandError`."""
+    url = ledger_url or default_url()
+    shown = _redacted(url)
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "memory":
+        raise BadUsage(
+            f"{shown} is a ledger inside one process: the command line cannot see its records"
+        )
+    if parts.scheme.lower() == "sqlite" and not parts.netloc and parts.path.startswith("/"):
+        # Opening a file creates it: an operator's typo must not become a new, empty ledger.
+        path = unquote(parts.path[1:])
+        if path and not os.path.exists(path):
+            raise LedgerUnavailable(f"no ledger file at {path!r} ({shown})")
+    try:
+        store, _ = open_store(url)
+    except ValueError as exc:
+        raise BadUsage(f"bad ledger URL {shown}: {_scrubbed(str(exc), url)}") from exc
+    except ImportError as exc:
+        raise LedgerUnavailable(f"cannot open the ledger {shown}: {exc}") from exc
+    except StoreError as exc:
+        message = _scrubbed(str(exc), url)
+        raise LedgerUnavailable(f"cannot open the ledger {shown}: {message}") from exc
+    try:
+        yield store
+    except StoreError as exc:
+        message = _scrubbed(str(exc), url)
+        raise LedgerUnavailable(f"the ledger {shown} failed: {message}") from exc
+    finally:
+        store.close()
+
+
+def _store_now(store: Store, namespace: str) -> float:
+    """The store's clock: every answer of a store carries it, a read of no key included."""
+    return store.get(namespace, "").now
+
+
+def _find(store: Store, namespace: str, key: str) -> tuple[Record, float]:
+    """The live record whose key is ``key`` or starts with it, and the store's clock.
+
+    Raises:
+        CommandError: no such record, or the prefix matches several.
+    """
+    if not key:
+        raise BadUsage("give a key, or the first characters of one")
+    snap = store.get(namespace, key)
+    if snap.record is not None:
+        return snap.record, snap.now
+    matches = [r for r in store.records(namespace) if r.key.startswith(key)]
+    if not matches:
+        raise CommandError(f"no record with a key starting {key!r} in namespace {namespace!r}")
+    if len(matches) > 1:
+        width = _short_width([r.key for r in matches])
+        shown = ", ".join(r.key[:width] for r in matches[:5])
+        more = f" and {len(matches) - 5} more" if len(matches) > 5 else ""
+        raise CommandError(
+            f"the key prefix {key!r} is ambiguous: it matches {len(matches)} records "
+            f"({shown}{more}); give more characters"
+        )
+    return matches[0], snap.now
+
+
+def _short_width(keys: list[str]) -> int:
+    """The shortest prefix length, at least 12, that tells the keys apart."""
+    width = _SHORT_KEY
+    longest = max((len(k) for k in keys), default=0)
+    while width < longest and len({k[:width] for k in keys}) < len(set(keys)):
+        width += 1
+    return width
+
+
+# -- records as data ----------------------------------------------------------------------------
+
+
+def _json_value(text: str | None) -> Any:
+    """A stored JSON text as its value (the text itself where it is not JSON)."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _error(text: str | None) -> dict[str, str] | None:
+    """A stored error as ``{"type": ..., "message": ...}``."""
+    if text is None:
+        return None
+    data = _json_value(text)
+    if isinstance(data, dict):
+        return {"type": str(data.get("type", "")), "message": str(data.get("message", ""))}
+    return {"type": "", "message": str(data)}
+
+
+def _lapsed(record: Record, now: float) -> bool | None:
+    """Whether the record's lease has lapsed on the store's clock (``None``: it has none)."""
+    if record.lease_deadline is None:
+        return None
+    return record.lease_deadline <= now
+
+
+def _as_json(record: Record, now: float) -> dict[str, Any]:
+    """Every field of a record, for scripts: enums by value, times in ISO 8601 UTC."""
+    return {
+        "namespace": record.namespace,
+        "key": record.key,
+        "fingerprint": record.fingerprint,
+        "tool": record.tool,
+        "effect": record.effect.value,
+        "state": record.state.value,
+        "fence": record.fence,
+        "owner": record.owner,
+        "lease_deadline": _iso(record.lease_deadline),
+        "lease_lapsed": _lapsed(record, now),
+        "attempts": record.attempts,
+        "result": _json_value(record.result),
+        "error": _error(record.error),
+        "reason": record.reason,
+        "created_at": _iso(record.created_at),
+        "updated_at": _iso(record.updated_at),
+        "expires_at": _iso(record.expires_at),
+    }
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def _state_text(record: Record, now: float) -> Text:
+    label = record.state.value
+    if record.state is State.CLAIMED and _lapsed(record, now):
+        label += " (lease lapsed)"
+    return Text(label, style=_STATE_STYLES[record.state])
+
+
+# -- the commands -------------------------------------------------------------------------------
 
 
 @click.group()
 @click.version_option(twiceshy.__version__, prog_name="twiceshy")
 def main() -> None:
-    """twiceshy: side-effecting tool calls of AI agents, safe to retry."""
+    """twiceshy: side-effecting tool calls of AI agents, safe to retry.
+
+    The ledger commands (ls, show, resolve, gc, stats) take --ledger URL (or TWICESHY_LEDGER)
+    and --namespace NS. Exit codes: 0 done, 1 refused or not found, 2 usage, 3 the ledger
+    cannot be reached or used.
+    """
 
 
 @main.command()
@@ -44,3 +371,327 @@ def demo(ledger_url: str | None) -> None:
         raise click.ClickException(f"cannot use the ledger {which}: {exc}") from exc
     if not result.ok:
         raise SystemExit(1)
+
+
+@main.command("ls")
+@_ledger_options
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([s.value for s in State], case_sensitive=False),
+    help="Only records in this state (repeat for several).",
+)
+@click.option("--tool", metavar="NAME", help="Only records of this tool.")
+@click.option(
+    "--since",
+    callback=_duration,
+    metavar="DURATION",
+    help="Only records created within this long (10m, 2h, 3d), on the store's clock.",
+)
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N records.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of full records.")
+def ls(
+    ledger_url: str | None,
+    namespace: str,
+    states: tuple[str, ...],
+    tool: str | None,
+    since: float | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """List the ledger's live records, newest first.
+
+    Records are found by key, tool, state and age. They do not keep the scope (run id) of the
+    call: a key is a hash of scope, tool and arguments, so there is no --scope filter.
+    """
+    with _opened(ledger_url) as store:
+        now = _store_now(store, namespace)
+        found = store.records(
+            namespace,
+            states=[State(s) for s in states] if states else None,
+            tool=tool,
+            limit=limit,
+        )
+    if since is not None:
+        found = [r for r in found if r.created_at >= now - since]
+    if as_json:
+        _echo_json([_as_json(r, now) for r in found])
+        return
+    if not found:
+        click.echo(f"no records in namespace {namespace!r}")
+        return
+    width = _short_width([r.key for r in found])
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("key", no_wrap=True)
+    table.add_column("tool", overflow="fold")
+    table.add_column("effect")
+    table.add_column("state")
+    table.add_column("age", justify="right")
+    table.add_column("attempts", justify="right")
+    table.add_column("fence", justify="right")
+    for r in found:
+        table.add_row(
+            Text(r.key[:width]),
+            Text(r.tool),
+            Text(r.effect.value),
+            _state_text(r, now),
+            Text(_span(now - r.created_at)),
+            Text(str(r.attempts)),
+            Text(str(r.fence)),
+        )
+    console = Console(highlight=False)
+    console.print(table)
+    plural = "" if len(found) == 1 else "s"
+    console.print(Text(f"{len(found)} record{plural} in namespace {namespace!r}"), soft_wrap=True)
+
+
+@main.command()
+@_ledger_options
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="The record as one JSON object.")
+def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> None:
+    """Show the whole record of KEY (or of the one key starting with KEY)."""
+    with _opened(ledger_url) as store:
+        record, now = _find(store, namespace, key)
+    if as_json:
+        _echo_json(_as_json(record, now))
+        return
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+
+    def row(label: str, value: Text | str) -> None:
+        grid.add_row(label, value if isinstance(value, Text) else Text(value))
+
+    row("key", record.key)
+    row("namespace", repr(record.namespace))
+    row("fingerprint", record.fingerprint)
+    row("tool", record.tool)
+    row("effect", record.effect.value)
+    row("state", _state_text(record, now))
+    row("fence", str(record.fence))
+    row("owner", record.owner)
+    if record.lease_deadline is not None:
+        status = "lapsed" if _lapsed(record, now) else "live"
+        row("lease", f"{status}, deadline {_when(record.lease_deadline, now)}")
+    else:
+        row("lease", "-")
+    row("attempts", f"{record.attempts} ({_NO_HISTORY})")
+    error = _error(record.error)
+    if error is not None:
+        row("error", f"{error['type']}: {error['message']}" if error["type"] else error["message"])
+    if record.reason is not None:
+        row("reason", record.reason)
+    row("created", _when(record.created_at, now))
+    row("updated", _when(record.updated_at, now))
+    row("expires", _when(record.expires_at, now) if record.expires_at is not None else "never")
+    console = Console(highlight=False)
+    console.print(grid)
+    if record.result is not None:
+        console.print(Text("result", style="bold"))
+        try:
+            console.print(JSON(record.result, indent=2))
+        except ValueError:
+            console.print(Text(record.result))
+
+
+def _parse_result(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--succeeded``: strict JSON (no NaN or Infinity), answered as the text to store."""
+    if value is None:
+        return None
+
+    def refuse(constant: str) -> NoReturn:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        data = json.loads(value, parse_constant=refuse)
+        return ResultCodec().encode(data)
+    except (ValueError, ResultNotStorable) as exc:
+        raise click.BadParameter(f"not a JSON value: {exc}", ctx, param) from exc
+
+
+def _resolution(record: Record, now: float, to: State, force: bool, **kw: Any) -> Change:
+    """The guarded write that resolves ``record`` to ``to``, or a refusal that says why."""
+    state = record.state
+    if state is State.UNKNOWN:
+        if Actor.RECONCILER not in TRANSITIONS.get((state, to), frozenset()):
+            raise AssertionError(f"a reconciler may not move a record from {state} to {to}")
+        return Change(fence=record.fence, from_states=frozenset({state}), to=to, **kw)
+    if state is State.CLAIMED:
+        deadline = record.lease_deadline
+        lapsed = deadline is not None and deadline <= now
+        if not force:
+            lease = (
+                "its lease has lapsed"
+                if lapsed
+                else f"its lease is live for {_span((deadline or now) - now)}"
+            )
+            raise CommandError(
+                f"refused: the record {record.key} is claimed ({lease}); an owner may still "
+                "be running the call. Use --force to resolve a claimed record whose lease lapsed"
+            )
+        if not lapsed:
+            left = f" for {_span(deadline - now)}" if deadline is not None else ""
+            raise CommandError(
+                f"refused: the record {record.key} is claimed under a live lease{left}: its owner "
+                "is still running the call; resolve it only once the lease has lapsed"
+            )
+        # A lapsed lease, on the store's clock: the store checks that again as it writes.
+        return Change(fence=record.fence, from_states=frozenset({state}), to=to, lapsed=True, **kw)
+    raise CommandError(
+        f"refused: the record {record.key} is already {state.value}; only unknown records "
+        "(and, with --force, claimed ones whose lease lapsed) can be resolved"
+    )
+
+
+@main.command()
+@_ledger_options
+@click.argument("key")
+@click.option("--released", is_flag=True, help="It certainly did not happen: the next call runs.")
+@click.option(
+    "--succeeded",
+    "result",
+    metavar="JSON",
+    callback=_parse_result,
+    help="It happened, with this result (JSON): the next call replays it.",
+)
+@click.option(
+    "--failed",
+    "message",
+    metavar="MESSAGE",
+    help="It ran and failed for certain: the next call gets this error.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Also resolve a claimed record whose lease has lapsed (a crashed owner).",
+)
+@click.option(
+    "--ttl",
+    callback=_duration,
+    default="24h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long the resolved outcome is kept.",
+)
+def resolve(
+    ledger_url: str | None,
+    namespace: str,
+    key: str,
+    released: bool,
+    result: str | None,
+    message: str | None,
+    force: bool,
+    ttl: float,
+) -> None:
+    """Settle the parked record KEY (or the one key starting with KEY), as a reconciler.
+
+    Only an unknown record can be resolved (with --force, also a claimed record whose lease has
+    lapsed on the store's clock). The write is fenced: when the record changed meanwhile,
+    nothing is written and the command fails.
+    """
+    given = [released, result is not None, message is not None]
+    if sum(given) != 1:
+        raise click.UsageError("give exactly one of --released, --succeeded JSON, --failed MESSAGE")
+    fields: dict[str, str] = {}
+    if released:
+        to = State.RELEASED
+    elif result is not None:
+        to, fields["result"] = State.SUCCEEDED, result
+    else:
+        error = json.dumps({"type": RESOLVE_ERROR_TYPE, "message": message})
+        to, fields["error"] = State.FAILED, error
+    with _opened(ledger_url) as store:
+        record, now = _find(store, namespace, key)
+        change = _resolution(record, now, to, force, ttl=ttl, **fields)
+        snap = store.write(namespace, record.key, change)
+    after = snap.record
+    if after is None:
+        raise CommandError(f"the record {record.key} expired meanwhile; nothing was written")
+    if not snap.won:
+        raise CommandError(
+            f"lost a race: the record {record.key} changed meanwhile (now {after.state.value}, "
+            f"fence {after.fence}); nothing was written"
+        )
+    click.echo(
+        f"resolved {after.key}: {record.state.value} -> {after.state.value} "
+        f"(tool {after.tool}, fence {after.fence}); kept until {_iso(after.expires_at)}"
+    )
+    if after.result is not None:
+        click.echo(f"result: {after.result}")
+    if message is not None:
+        click.echo(f"error: {RESOLVE_ERROR_TYPE}: {message}")
+
+
+@main.command()
+@_ledger_options
+@click.option("--dry-run", is_flag=True, help="Remove nothing; say what gc keeps.")
+@click.option("--all-namespaces", is_flag=True, help="Remove expired outcomes of every namespace.")
+def gc(ledger_url: str | None, namespace: str, dry_run: bool, all_namespaces: bool) -> None:
+    """Remove outcomes past their retention; never a claimed or unknown record."""
+    if dry_run and all_namespaces:
+        raise click.UsageError("--dry-run looks at one namespace; drop --all-namespaces")
+    where = "every namespace" if all_namespaces else f"namespace {namespace!r}"
+    if not dry_run:
+        with _opened(ledger_url) as store:
+            removed = store.purge_expired(None if all_namespaces else namespace)
+        plural = "" if removed == 1 else "s"
+        click.echo(f"removed {removed} expired outcome{plural} from {where}")
+        return
+    with _opened(ledger_url) as store:
+        now = _store_now(store, namespace)
+        found = store.records(namespace)
+    parked = [r for r in found if r.state in (State.CLAIMED, State.UNKNOWN)]
+    expiries = [r.expires_at for r in found if r.expires_at is not None]
+    click.echo(
+        "dry run: nothing removed. Expired outcomes are already invisible to every read, so "
+        "only gc itself can count them."
+    )
+    click.echo(f"{where}: {len(parked)} claimed or unknown records, never removed by gc")
+    if expiries:
+        click.echo(
+            f"{where}: {len(expiries)} outcomes within their retention; the next expires "
+            f"in {_span(min(expiries) - now)}"
+        )
+    else:
+        click.echo(f"{where}: no outcome within its retention")
+
+
+@main.command()
+@_ledger_options
+@click.option("--json", "as_json", is_flag=True, help="The counts as one JSON object.")
+def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
+    """Count the live records by state and by tool."""
+    with _opened(ledger_url) as store:
+        found = store.records(namespace)
+    by_state = Counter(r.state for r in found)
+    by_tool: dict[str, Counter[State]] = {}
+    for r in found:
+        by_tool.setdefault(r.tool, Counter())[r.state] += 1
+    if as_json:
+        _echo_json(
+            {
+                "namespace": namespace,
+                "records": len(found),
+                "by_state": {s.value: by_state[s] for s in State},
+                "by_tool": {
+                    t: {"records": sum(c.values()), "by_state": {s.value: c[s] for s in State}}
+                    for t, c in sorted(by_tool.items())
+                },
+                "duplicates_answered": None,
+                "note": _NO_DUPLICATES,
+            }
+        )
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_footer=True)
+    table.add_column("tool", footer="all tools", overflow="fold")
+    for s in State:
+        table.add_column(s.value, footer=str(by_state[s]), justify="right")
+    table.add_column("records", footer=str(len(found)), justify="right")
+    for t, c in sorted(by_tool.items()):
+        table.add_row(Text(t), *(str(c[s]) for s in State), str(sum(c.values())))
+    console = Console(highlight=False)
+    console.print(Text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
+    console.print(table)
+    console.print(Text(_NO_DUPLICATES), soft_wrap=True)
