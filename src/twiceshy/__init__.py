@@ -17,7 +17,7 @@ error where nobody can know it.
 from ._canonical import canonical_json, idempotency_key
 from ._ledger import Guard, Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
-from ._records import Change, Effect, Record, Snapshot, State
+from ._records import CallEvent, Change, Effect, Outcome, Record, Snapshot, State
 from ._scope import current_key, current_scope, run
 from .errors import (
     FencedOut,
@@ -49,6 +49,7 @@ __all__ = [
     "KEYED",
     "SAFE",
     "UNSAFE",
+    "CallEvent",
     "Change",
     "DidNotHappen",
     "Effect",
@@ -60,6 +61,7 @@ __all__ = [
     "Ledger",
     "MissingScope",
     "NotApplied",
+    "Outcome",
     "OutcomeUnknown",
     "Record",
     "ReplayedError",

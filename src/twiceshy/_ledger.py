@@ -32,6 +32,7 @@ from ._inflight import Flights, Heartbeat
 from ._protocol import (
     CallPlan,
     Claim,
+    Note,
     Now,
     Policy,
     Protocol,
@@ -45,9 +46,15 @@ from ._protocol import (
     protect,
     retry_only,
 )
-from ._records import Effect
+from ._records import CallEvent, Effect, Outcome
 from ._scope import Current, current_scope, reset_call, set_call
-from .errors import InProgress, KeyReuseMismatch, MissingScope
+from .errors import (
+    InProgress,
+    KeyReuseMismatch,
+    MissingScope,
+    OutcomeUnknown,
+    UnkeyableArgument,
+)
 from .stores import AsyncStore, Store, default_url, open_store
 
 __all__ = ["Guard", "Ledger"]
@@ -63,6 +70,29 @@ Reconciler = Callable[[str, Mapping[str, Any]], Any]
 
 _Work = Callable[[str], Any]
 """The work of one call, given the call's key (the decorator injects it into the tool)."""
+
+Observer = Callable[[CallEvent], None]
+"""Told of every protected call once it is answered (metrics, traces)."""
+
+
+class _Seen:
+    """What one call's drive learned, for its event: the key and the protocol's last note."""
+
+    __slots__ = ("key", "outcome")
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.outcome = Outcome.EXECUTED
+
+
+def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
+    if isinstance(error, OutcomeUnknown):
+        return Outcome.UNKNOWN
+    if isinstance(error, InProgress):
+        return Outcome.IN_PROGRESS
+    if isinstance(error, KeyReuseMismatch | MissingScope | UnkeyableArgument):
+        return Outcome.REFUSED
+    return seen.outcome
 
 
 def _seconds(value: Duration, name: str) -> float:
@@ -214,19 +244,33 @@ class Guard:
     # -- the blocking driver ---------------------------------------------------------------
 
     def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        if not self._ledger._observed():
+            return self._execute_once(bound, work, scope, _Seen())
+        seen, started, clock = _Seen(), time.time(), time.perf_counter()
+        try:
+            value = self._execute_once(bound, work, scope, seen)
+        except BaseException as exc:
+            self._ledger._tell(self, seen, exc, started, time.perf_counter() - clock)
+            raise
+        self._ledger._tell(self, seen, None, started, time.perf_counter() - clock)
+        return value
+
+    def _execute_once(self, bound: BoundCall, work: _Work, scope: str | None, seen: _Seen) -> Any:
         if not self.recorded:
-            return self._drive(retry_only(self.policy), work, None, bound)
+            return self._drive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
+        seen.key = plan.key
         flights = self._ledger._flights
         flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
         if not leader:
+            seen.outcome = Outcome.JOINED
             if flight.fingerprint != plan.fingerprint:
                 raise _mismatch(plan)
             if not flight.wait(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
             return flight.outcome()
         try:
-            value = self._drive(protect(plan), work, plan, bound)
+            value = self._drive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
             flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
             raise
@@ -234,7 +278,7 @@ class Guard:
         return value
 
     def _drive(
-        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall
+        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
         store, ns = self._ledger.store, self._ledger.namespace
         answer: Any = None
@@ -245,6 +289,9 @@ class Guard:
                 return stop.value
             if isinstance(command, Now):
                 answer = time.monotonic()
+            elif isinstance(command, Note):
+                seen.outcome = command.outcome
+                answer = None
             elif isinstance(command, Run):
                 answer = self._run(work, plan, command)
             elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
@@ -303,19 +350,35 @@ class Guard:
     # -- the async driver ------------------------------------------------------------------
 
     async def _aexecute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        if not self._ledger._observed():
+            return await self._aexecute_once(bound, work, scope, _Seen())
+        seen, started, clock = _Seen(), time.time(), time.perf_counter()
+        try:
+            value = await self._aexecute_once(bound, work, scope, seen)
+        except BaseException as exc:
+            self._ledger._tell(self, seen, exc, started, time.perf_counter() - clock)
+            raise
+        self._ledger._tell(self, seen, None, started, time.perf_counter() - clock)
+        return value
+
+    async def _aexecute_once(
+        self, bound: BoundCall, work: _Work, scope: str | None, seen: _Seen
+    ) -> Any:
         if not self.recorded:
-            return await self._adrive(retry_only(self.policy), work, None, bound)
+            return await self._adrive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
+        seen.key = plan.key
         flights = self._ledger._flights
         flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
         if not leader:
+            seen.outcome = Outcome.JOINED
             if flight.fingerprint != plan.fingerprint:
                 raise _mismatch(plan)
             if not await flight.wait_async(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
             return flight.outcome()
         try:
-            value = await self._adrive(protect(plan), work, plan, bound)
+            value = await self._adrive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
             flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
             raise
@@ -323,7 +386,7 @@ class Guard:
         return value
 
     async def _adrive(
-        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall
+        self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
         store, ns = self._ledger.async_store, self._ledger.namespace
         answer: Any = None
@@ -334,6 +397,9 @@ class Guard:
                 return stop.value
             if isinstance(command, Now):
                 answer = time.monotonic()
+            elif isinstance(command, Note):
+                seen.outcome = command.outcome
+                answer = None
             elif isinstance(command, Run):
                 answer = await self._arun(work, plan, command)
             elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
@@ -411,6 +477,7 @@ class Ledger:
         store: a store object instead of a URL (anything implementing
             :class:`twiceshy.stores.Store`).
         async_store: its async twin, when ``store`` is given and async tools are used.
+        observers: told of every protected call once it is answered (see :meth:`observe`).
 
     Raises:
         ValueError: the URL names no known store.
@@ -424,6 +491,7 @@ class Ledger:
         namespace: str = "",
         store: Store | None = None,
         async_store: AsyncStore | None = None,
+        observers: Collection[Observer] = (),
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError("namespace= must be a string")
@@ -443,6 +511,59 @@ class Ledger:
         self._heartbeat = Heartbeat(self.store)
         self._owner_prefix = secrets.token_hex(8)
         self._owner_count = itertools.count(1)
+        self._observers: tuple[Observer, ...] = tuple(observers)
+
+    def observe(self, observer: Observer) -> None:
+        """Tell ``observer`` of every protected call of this ledger once it is answered.
+
+        Observers run in the caller's thread (and context) right after the call; one that
+        raises is logged and otherwise ignored: observing never changes an outcome.
+        """
+        self._observers = (*self._observers, observer)
+
+    def _observed(self) -> bool:
+        return bool(self._observers) or log.isEnabledFor(logging.DEBUG)
+
+    def _tell(
+        self,
+        guard: Guard,
+        seen: _Seen,
+        error: BaseException | None,
+        started: float,
+        duration: float,
+    ) -> None:
+        event = CallEvent(
+            tool=guard.name,
+            effect=guard.effect,
+            outcome=_outcome_of(error, seen),
+            key=seen.key,
+            error=error,
+            started=started,
+            duration=duration,
+        )
+        level = logging.WARNING if event.outcome is Outcome.UNKNOWN else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "twiceshy: %s %s key=%s effect=%s %.1f ms%s",
+                event.tool,
+                event.outcome.value,
+                event.key,
+                event.effect.value,
+                event.duration * 1000,
+                f" error={type(error).__name__}: {error}" if error is not None else "",
+                extra={
+                    "twiceshy_tool": event.tool,
+                    "twiceshy_key": event.key,
+                    "twiceshy_effect": event.effect.value,
+                    "twiceshy_outcome": event.outcome.value,
+                },
+            )
+        for observer in self._observers:
+            try:
+                observer(event)
+            except Exception:
+                log.exception("twiceshy: an observer failed on %s", event.tool)
 
     def _owner_token(self) -> str:
         """A token no other call shares: this ledger's random prefix, the process, a counter."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from ._codec import ResultCodec, decode_error, encode_error
-from ._records import Change, Effect, Record, Snapshot, State
+from ._records import Change, Effect, Outcome, Record, Snapshot, State
 from .errors import (
     InProgress,
     KeyReuseMismatch,
@@ -36,6 +36,7 @@ __all__ = [
     "Claim",
     "DidNotHappen",
     "Happened",
+    "Note",
     "Now",
     "Policy",
     "Ran",
@@ -97,6 +98,13 @@ def _change(
 @dataclass(frozen=True, slots=True)
 class Now:
     """Answer the driver's monotonic clock (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Say how the call is being answered (for observers); answer: ``None``."""
+
+    outcome: Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +177,7 @@ class DidNotHappen:
     """A reconciler's answer: the intent certainly did not take effect."""
 
 
-Command: TypeAlias = Now | Claim | Write | Wait | Run | Sleep | Reconcile
+Command: TypeAlias = Now | Note | Claim | Write | Wait | Run | Sleep | Reconcile
 Protocol: TypeAlias = Generator[Command, Any, Any]
 
 
@@ -255,6 +263,7 @@ def protect(plan: CallPlan) -> Protocol:
     wait_until = started + plan.policy.wait
     snap: Snapshot = yield Claim()
     reconciled = False
+    settled = Outcome.REPLAYED  # how an outcome found in the record is answered
     for _ in range(MAX_STEPS):
         record = snap.record
         if record is None:
@@ -274,8 +283,10 @@ def protect(plan: CallPlan) -> Protocol:
         state = record.state
         if state is State.SUCCEEDED:
             assert record.result is not None
+            yield Note(settled)
             return plan.policy.codec.decode(record.result)
         if state is State.FAILED:
+            yield Note(settled)
             raise _replay_error(plan, record.error)
         if state is State.RELEASED:
             snap = yield Write(
@@ -307,12 +318,14 @@ def protect(plan: CallPlan) -> Protocol:
             if left <= 0:
                 raise InProgress(plan.policy.tool, plan.key)
             until_lapse = (record.lease_deadline or snap.now) - snap.now
+            settled = Outcome.WAITED
             snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
             continue
         # UNKNOWN
         if plan.policy.reconcile and not reconciled:
             reconciled = True
             answer = yield Reconcile()
+            settled = Outcome.RECONCILED
             if isinstance(answer, Happened):
                 text = plan.policy.codec.encode(answer.result)
                 snap = yield Write(
@@ -339,6 +352,8 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
     while True:
+        if attempt == 1:
+            yield Note(Outcome.EXECUTED)
         ran: Ran = yield Run(record.fence, attempt)
         error = ran.error
         if error is None:

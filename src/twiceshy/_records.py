@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 __all__ = [
     "FINAL_STATES",
+    "CallEvent",
     "Change",
     "Effect",
+    "Outcome",
     "Record",
     "Snapshot",
     "State",
@@ -43,6 +45,51 @@ class State(enum.Enum):
     RELEASED = "released"
     #: The work may or may not have taken effect.
     UNKNOWN = "unknown"
+
+
+class Outcome(enum.Enum):
+    """How a protected call was answered."""
+
+    #: This call ran the tool (whatever the tool then did).
+    EXECUTED = "executed"
+    #: The outcome recorded by an earlier call was replayed.
+    REPLAYED = "replayed"
+    #: The call joined an identical call running in this process and shares its outcome.
+    JOINED = "joined"
+    #: The call waited for an identical call running elsewhere and replays its outcome.
+    WAITED = "waited"
+    #: A reconciler settled an unknown outcome, and the call answers with it.
+    RECONCILED = "reconciled"
+    #: The call was refused before anything ran (no scope, arguments without a key, key reuse).
+    REFUSED = "refused"
+    #: The tool may or may not have taken effect: ``OutcomeUnknown``.
+    UNKNOWN = "unknown"
+    #: An identical call is still running: ``InProgress``.
+    IN_PROGRESS = "in_progress"
+
+
+@dataclass(frozen=True, slots=True)
+class CallEvent:
+    """What one protected call did, for observers (metrics, traces, logs).
+
+    Attributes:
+        tool: the tool's name.
+        effect: its effect class.
+        outcome: how the call was answered.
+        key: the intent's key (``None`` when refused before one was made, or for a SAFE tool kept
+            out of the ledger).
+        error: the exception the caller got, if any.
+        started: when the call began (seconds since the epoch).
+        duration: how long it took (seconds).
+    """
+
+    tool: str
+    effect: Effect
+    outcome: Outcome
+    key: str | None
+    error: BaseException | None
+    started: float
+    duration: float
 
 
 @dataclass(frozen=True, slots=True)

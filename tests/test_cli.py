@@ -1,0 +1,639 @@
+"""``twiceshy ls / show / resolve / gc / stats`` on SQLite, PostgreSQL and Redis ledgers.
+
+Every ledger is left in each state by real tool calls through ``twiceshy.Ledger``: a KEYED call
+that succeeded, a call that failed for certain, an UNSAFE call whose outcome is unknown, a call
+that certainly did not happen, and an owner killed with SIGKILL inside its tool (CLAIMED, with a
+lease that lapses). The commands run as the user runs them: through click's runner against
+``twiceshy.cli.main``, and as ``python -m twiceshy`` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from click.testing import CliRunner, Result
+
+import servers
+import twiceshy
+from twiceshy.cli import main
+from twiceshy.stores import open_store
+
+SCOPE = "run-1"
+LEASE = 0.3
+
+STORES = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", id="redis", marks=pytest.mark.redis),
+]
+
+
+def _with_query(base: str, name: str, value: str) -> str:
+    return f"{base}{'&' if '?' in base else '?'}{name}={value}"
+
+
+@pytest.fixture(scope="module", params=STORES)
+def ledger_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A ledger URL of each kind, isolated (its own file, schema or key prefix), cleaned up."""
+    kind = request.param
+    if kind == "sqlite":
+        path = tmp_path_factory.mktemp("cli") / "ledger.db"
+        store, _ = open_store(f"sqlite:///{path}")
+        store.close()
+        yield f"sqlite:///{path}"
+    elif kind == "postgres":
+        base = servers.require("postgres")
+        schema = f"twiceshy_cli_{secrets.token_hex(6)}"
+        yield _with_query(base, "schema", schema)
+        import psycopg
+
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    else:
+        base = servers.require("redis")
+        prefix = f"twiceshy-cli-{secrets.token_hex(6)}"
+        yield _with_query(base, "prefix", prefix)
+        import redis
+
+        client = redis.Redis.from_url(base)
+        try:
+            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+
+def cli(url: str, namespace: str, *args: str) -> Result:
+    """Run ``twiceshy ARGS --ledger URL --namespace NS`` in process."""
+    runner = CliRunner(env={"COLUMNS": "160"})
+    return runner.invoke(
+        main, [*args, "--ledger", url, "--namespace", namespace], catch_exceptions=False
+    )
+
+
+def ok(result: Result) -> Result:
+    """The result of a command that must have succeeded."""
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def one_line_error(result: Result, code: int) -> str:
+    """The single stderr line of a command that failed with ``code``."""
+    assert result.exit_code == code, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def listed(url: str, namespace: str, *args: str) -> dict[str, dict[str, Any]]:
+    """``ls --json``: the records by key."""
+    return {r["key"]: r for r in json.loads(ok(cli(url, namespace, "ls", "--json", *args)).stdout)}
+
+
+def shown(url: str, namespace: str, key: str) -> dict[str, Any]:
+    """``show --json KEY``."""
+    data: dict[str, Any] = json.loads(ok(cli(url, namespace, "show", key, "--json")).stdout)
+    return data
+
+
+class Declined(Exception):
+    """The provider refused: certainly nothing happened but a failure."""
+
+
+class Shop:
+    """A shop's tools, protected by a ledger; counts how often each one really ran."""
+
+    def __init__(self, url: str, namespace: str, *, ttl: float = 86400.0) -> None:
+        self.ledger = ledger = twiceshy.Ledger(url, namespace=namespace)
+        self.runs: Counter[str] = Counter()
+        runs = self.runs
+
+        @ledger.tool(effect=twiceshy.KEYED, ttl=ttl)
+        def charge(amount: int) -> dict[str, str]:
+            runs["charge"] += 1
+            return {"id": "ch_ok"}
+
+        @ledger.tool(effect=twiceshy.KEYED, definite=[Declined], ttl=ttl)
+        def refund(amount: int) -> dict[str, str]:
+            runs["refund"] += 1
+            raise Declined("card declined")
+
+        @ledger.tool(effect=twiceshy.UNSAFE)
+        def wire(amount: int) -> dict[str, str]:
+            runs["wire"] += 1
+            if runs["wire"] == 1:
+                raise TimeoutError("the bank did not answer")
+            return {"id": f"wire_{runs['wire']}"}
+
+        @ledger.tool(effect=twiceshy.UNSAFE, ttl=ttl)
+        def mail(to: str) -> str:
+            runs["mail"] += 1
+            if runs["mail"] == 1:
+                raise twiceshy.NotApplied("the mail server refused the message before sending")
+            return "sent"
+
+        @ledger.tool(effect=twiceshy.UNSAFE, lease=LEASE)
+        def ship(order: str) -> str:
+            runs["ship"] += 1
+            return "shipped"
+
+        self.charge, self.refund, self.wire, self.mail, self.ship = (
+            charge,
+            refund,
+            wire,
+            mail,
+            ship,
+        )
+
+    keys: ClassVar[dict[str, str]] = {
+        "succeeded": twiceshy.idempotency_key(SCOPE, "charge", {"amount": 4900}),
+        "failed": twiceshy.idempotency_key(SCOPE, "refund", {"amount": 4900}),
+        "unknown": twiceshy.idempotency_key(SCOPE, "wire", {"amount": 4900}),
+        "released": twiceshy.idempotency_key(SCOPE, "mail", {"to": "ann@example.com"}),
+        "claimed": twiceshy.idempotency_key(SCOPE, "ship", {"order": "o-1"}),
+    }
+
+    def call(self, tool: Callable[..., Any], *args: Any) -> Any:
+        """Call a tool within the run's scope."""
+        with twiceshy.run(SCOPE):
+            return tool(*args)
+
+    def park(self) -> None:
+        """Leave a SUCCEEDED, a FAILED, an UNKNOWN and a RELEASED record, as real calls do."""
+        assert self.call(self.charge, 4900) == {"id": "ch_ok"}
+        self.fail_and_park()
+
+    def fail_and_park(self) -> None:
+        """The FAILED, UNKNOWN and RELEASED records."""
+        with pytest.raises(Declined):
+            self.call(self.refund, 4900)
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            self.call(self.wire, 4900)
+        with pytest.raises(twiceshy.NotApplied):
+            self.call(self.mail, "ann@example.com")
+
+
+_OWNER = """
+import pathlib, sys, time, twiceshy
+url, namespace, marker, lease = sys.argv[1:]
+ledger = twiceshy.Ledger(url, namespace=namespace)
+@ledger.tool(effect=twiceshy.UNSAFE, lease=float(lease))
+def ship(order: str) -> str:
+    pathlib.Path(marker).write_text("running")
+    time.sleep(60)
+    return "shipped"
+with twiceshy.run("run-1"):
+    ship("o-1")
+"""
+
+
+@contextmanager
+def running_owner(
+    url: str, namespace: str, tmp_path: Path, lease: float = LEASE
+) -> Iterator[Callable[[], None]]:
+    """A process inside the ``ship`` tool; answers a function that SIGKILLs it there."""
+    marker = tmp_path / f"owner-{secrets.token_hex(4)}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, url, namespace, str(marker), str(lease)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+    def kill() -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the owner never entered its tool"
+            time.sleep(0.01)
+        yield kill
+    finally:
+        if proc.poll() is None:
+            kill()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def wait_lapsed(url: str, namespace: str, key: str) -> dict[str, Any]:
+    """Wait until the record's lease has lapsed on the store's clock; answer ``show --json``."""
+    deadline = time.monotonic() + 10
+    while True:
+        record = shown(url, namespace, key)
+        if record["lease_lapsed"]:
+            return record
+        assert time.monotonic() < deadline, record
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def parked(ledger_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A namespace holding one record in every state, the crashed owner's lease lapsed.
+
+    The SUCCEEDED record is made at least 1.2 s before the others (for ``--since``).
+    """
+    namespace = f"parked-{secrets.token_hex(4)}"
+    shop = Shop(ledger_url, namespace)
+    started = time.monotonic()
+    shop.call(shop.charge, 4900)
+    with running_owner(ledger_url, namespace, tmp_path_factory.mktemp("owner")) as kill:
+        kill()
+    time.sleep(max(0.0, 1.2 - (time.monotonic() - started)))
+    shop.fail_and_park()
+    wait_lapsed(ledger_url, namespace, Shop.keys["claimed"])
+    yield ledger_url, namespace
+    shop.ledger.close()
+
+
+@pytest.fixture
+def shop(ledger_url: str) -> Iterator[Shop]:
+    """A shop on the ledger, in a namespace of its own, with its records parked."""
+    shop = Shop(ledger_url, f"t-{secrets.token_hex(4)}")
+    shop.park()
+    yield shop
+    shop.ledger.close()
+
+
+# -- ls -----------------------------------------------------------------------------------------
+
+
+def test_ls_lists_every_state(parked: tuple[str, str]) -> None:
+    """``ls --json`` shows the five records with their states, tools and effects."""
+    url, ns = parked
+    records = listed(url, ns)
+    assert {key: r["state"] for key, r in records.items()} == {
+        key: state for state, key in Shop.keys.items()
+    }
+    claimed = records[Shop.keys["claimed"]]
+    assert (claimed["tool"], claimed["effect"], claimed["lease_lapsed"]) == ("ship", "unsafe", True)
+    assert records[Shop.keys["succeeded"]]["result"] == {"id": "ch_ok"}
+    assert records[Shop.keys["failed"]]["error"]["message"] == "card declined"
+    assert all(r["namespace"] == ns and r["fence"] == 1 for r in records.values())
+    assert all(
+        datetime.fromisoformat(r["created_at"]).utcoffset() is not None for r in records.values()
+    )
+
+
+def test_ls_table_shows_short_keys_and_states(parked: tuple[str, str]) -> None:
+    """The table has a row per record: the key's first 12 characters, tool and state."""
+    url, ns = parked
+    out = ok(cli(url, ns, "ls")).stdout
+    for state, key in Shop.keys.items():
+        line = next(line for line in out.splitlines() if key[:12] in line)
+        assert state in line
+        assert key[:13] not in out
+    assert "claimed (lease lapsed)" in out
+    assert f"5 records in namespace {ns!r}" in out
+
+
+def test_ls_filters(parked: tuple[str, str]) -> None:
+    """--state (repeated, any case), --tool, --limit and --since select the right records."""
+    url, ns = parked
+    keys = Shop.keys
+    assert set(listed(url, ns, "--state", "unknown")) == {keys["unknown"]}
+    both = listed(url, ns, "--state", "SUCCEEDED", "--state", "failed")
+    assert set(both) == {keys["succeeded"], keys["failed"]}
+    assert set(listed(url, ns, "--tool", "ship")) == {keys["claimed"]}
+    assert listed(url, ns, "--tool", "nosuch") == {}
+    newest = json.loads(ok(cli(url, ns, "ls", "--json", "--limit", "2")).stdout)
+    everything = json.loads(ok(cli(url, ns, "ls", "--json")).stdout)
+    assert newest == everything[:2]
+    assert [r["created_at"] for r in everything] == sorted(
+        (r["created_at"] for r in everything), reverse=True
+    )
+    # The SUCCEEDED record is >= 1.2 s older than the FAILED, UNKNOWN and RELEASED ones.
+    old = datetime.fromisoformat(everything[-1]["created_at"]).timestamp()
+    assert everything[-1]["key"] == keys["succeeded"]
+    since = f"{time.time() - old - 0.6:.3f}s"
+    recent = listed(url, ns, "--since", since)
+    assert keys["succeeded"] not in recent
+    assert {keys["failed"], keys["unknown"], keys["released"]} <= set(recent)
+    assert len(listed(url, ns, "--since", "1h")) == 5
+
+
+def test_ls_help_says_records_have_no_scope() -> None:
+    """``ls`` offers no --scope, and its help says why."""
+    out = ok(CliRunner().invoke(main, ["ls", "--help"])).stdout
+    assert "--scope" not in out
+    assert "do not keep the scope" in " ".join(out.split())
+
+
+# -- show ---------------------------------------------------------------------------------------
+
+
+def test_show_prints_the_whole_record(parked: tuple[str, str]) -> None:
+    """``show PREFIX`` prints the full key, fingerprint, state, error and reason."""
+    url, ns = parked
+    key = Shop.keys["unknown"]
+    out = ok(cli(url, ns, "show", key[:10])).stdout
+    record = shown(url, ns, key)
+    for text in (key, record["fingerprint"], "wire", "unsafe", "unknown", record["owner"]):
+        assert text in out
+    assert "builtins.TimeoutError: the bank did not answer" in out
+    assert "reason" in out
+    assert "not a history" in out
+    assert record["reason"] == "TimeoutError: the bank did not answer"
+    assert record["error"] == {
+        "type": "builtins.TimeoutError",
+        "message": "the bank did not answer",
+    }
+
+
+def test_show_prints_result_and_lease(parked: tuple[str, str]) -> None:
+    """A SUCCEEDED record shows its result as JSON; a crashed owner's record its lapsed lease."""
+    url, ns = parked
+    out = ok(cli(url, ns, "show", Shop.keys["succeeded"])).stdout
+    assert '"id": "ch_ok"' in out
+    out = ok(cli(url, ns, "show", Shop.keys["claimed"][:8])).stdout
+    assert "lapsed, deadline" in out
+    claimed = shown(url, ns, Shop.keys["claimed"])
+    assert claimed["state"] == "claimed"
+    assert claimed["lease_deadline"] is not None
+    assert claimed["attempts"] == 1
+    assert claimed["owner"]
+
+
+def test_show_refuses_an_ambiguous_prefix(ledger_url: str) -> None:
+    """A prefix of several keys is refused by name; the full key is found."""
+    ns = f"t-{secrets.token_hex(4)}"
+    with twiceshy.Ledger(ledger_url, namespace=ns) as ledger:
+        note = ledger.guard("note", effect=twiceshy.KEYED)
+        note.call({"n": 1}, lambda: 1, key="order-2024-0001")
+        note.call({"n": 2}, lambda: 2, key="order-2024-0002")
+    line = one_line_error(cli(ledger_url, ns, "show", "order-2024"), 1)
+    assert "ambiguous" in line
+    assert "order-2024-0001" in line
+    assert "order-2024-0002" in line
+    assert shown(ledger_url, ns, "order-2024-0002")["result"] == 2
+    out = ok(cli(ledger_url, ns, "ls")).stdout
+    assert "order-2024-0001" in out
+
+
+# -- resolve ------------------------------------------------------------------------------------
+
+
+def test_resolve_succeeded_is_replayed_and_never_runs(shop: Shop, ledger_url: str) -> None:
+    """An UNKNOWN record resolved as succeeded: the next call replays the result, runs nothing."""
+    ns = shop.ledger.namespace
+    key = Shop.keys["unknown"]
+    out = ok(cli(ledger_url, ns, "resolve", key[:16], "--succeeded", '{"id": "ch_1"}')).stdout
+    assert f"resolved {key}: unknown -> succeeded" in out
+    assert shown(ledger_url, ns, key)["state"] == "succeeded"
+    assert shop.runs["wire"] == 1
+    assert shop.call(shop.wire, 4900) == {"id": "ch_1"}
+    assert shop.call(shop.wire, 4900) == {"id": "ch_1"}
+    assert shop.runs["wire"] == 1
+
+
+def test_resolve_released_lets_the_next_call_run_once(shop: Shop, ledger_url: str) -> None:
+    """An UNKNOWN record resolved as released: the next call runs exactly once."""
+    ns = shop.ledger.namespace
+    key = Shop.keys["unknown"]
+    ok(cli(ledger_url, ns, "resolve", key, "--released"))
+    assert shown(ledger_url, ns, key)["state"] == "released"
+    assert shop.call(shop.wire, 4900) == {"id": "wire_2"}
+    assert shop.call(shop.wire, 4900) == {"id": "wire_2"}
+    assert shop.runs["wire"] == 2
+    record = shown(ledger_url, ns, key)
+    assert (record["state"], record["fence"]) == ("succeeded", 2)
+
+
+def test_resolve_failed_is_replayed_as_the_error(shop: Shop, ledger_url: str) -> None:
+    """An UNKNOWN record resolved as failed: the next call gets that error and runs nothing."""
+    ns = shop.ledger.namespace
+    key = Shop.keys["unknown"]
+    ok(cli(ledger_url, ns, "resolve", key, "--failed", "the bank says: no transfer", "--ttl", "1h"))
+    record = shown(ledger_url, ns, key)
+    assert record["error"] == {"type": "twiceshy.resolve", "message": "the bank says: no transfer"}
+    with pytest.raises(twiceshy.ReplayedError, match="the bank says: no transfer"):
+        shop.call(shop.wire, 4900)
+    assert shop.runs["wire"] == 1
+
+
+def test_resolve_refuses_settled_records(shop: Shop, ledger_url: str) -> None:
+    """Resolving a SUCCEEDED, FAILED or RELEASED record fails and changes nothing."""
+    ns = shop.ledger.namespace
+    for state in ("succeeded", "failed", "released"):
+        key = Shop.keys[state]
+        before = shown(ledger_url, ns, key)
+        line = one_line_error(cli(ledger_url, ns, "resolve", key, "--released"), 1)
+        assert f"already {state}" in line
+        assert shown(ledger_url, ns, key) == before
+    assert shop.call(shop.charge, 4900) == {"id": "ch_ok"}
+    assert shop.runs["charge"] == 1
+
+
+def test_resolve_usage_errors(shop: Shop, ledger_url: str) -> None:
+    """Not exactly one outcome, or a --succeeded that is not JSON, is a usage error (2)."""
+    ns = shop.ledger.namespace
+    key = Shop.keys["unknown"]
+    for args in ([], ["--released", "--failed", "x"], ["--succeeded", "{id: 1}"]):
+        result = cli(ledger_url, ns, "resolve", key, *args)
+        assert result.exit_code == 2, result.output
+    assert cli(ledger_url, ns, "resolve", key, "--succeeded", "NaN").exit_code == 2
+    assert shown(ledger_url, ns, key)["state"] == "unknown"
+
+
+def test_resolve_that_loses_a_race_writes_nothing(
+    shop: Shop, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the record changes between the read and the fenced write, resolve fails (1)."""
+    import twiceshy.cli as cli_module
+
+    ns = shop.ledger.namespace
+    key = Shop.keys["unknown"]
+    find = cli_module._find
+
+    raced: list[Result] = []
+
+    def find_then_someone_else_resolves(store: Any, namespace: str, prefix: str) -> Any:
+        found = find(store, namespace, prefix)
+        if not raced:
+            # Another operator resolves the same record between our read and our write.
+            raced.append(cli(ledger_url, ns, "resolve", key, "--released"))
+        return found
+
+    monkeypatch.setattr(cli_module, "_find", find_then_someone_else_resolves)
+    line = one_line_error(cli(ledger_url, ns, "resolve", key, "--succeeded", '"late"'), 1)
+    assert "lost a race" in line
+    assert ok(raced[0]).stdout.startswith(f"resolved {key}: unknown -> released")
+    monkeypatch.undo()
+    record = shown(ledger_url, ns, key)
+    assert (record["state"], record["result"]) == ("released", None)
+
+
+def test_resolve_force_settles_a_crashed_owner(ledger_url: str, tmp_path: Path) -> None:
+    """A claimed record: refused while the owner lives and without --force; forced once lapsed."""
+    shop = Shop(ledger_url, f"t-{secrets.token_hex(4)}")
+    ns = shop.ledger.namespace
+    key = Shop.keys["claimed"]
+    try:
+        # A longer lease here: the heartbeat must keep it live while the command looks at it.
+        with running_owner(ledger_url, ns, tmp_path, lease=1.0) as kill:
+            line = one_line_error(cli(ledger_url, ns, "resolve", key, "--force", "--released"), 1)
+            assert "live lease" in line
+            line = one_line_error(cli(ledger_url, ns, "resolve", key, "--released"), 1)
+            assert "--force" in line
+            kill()
+        wait_lapsed(ledger_url, ns, key)
+        line = one_line_error(cli(ledger_url, ns, "resolve", key, "--released"), 1)
+        assert "lease has lapsed" in line
+        assert shown(ledger_url, ns, key)["state"] == "claimed"
+        out = ok(cli(ledger_url, ns, "resolve", key, "--force", "--released")).stdout
+        assert "claimed -> released" in out
+        assert shop.call(shop.ship, "o-1") == "shipped"
+        assert shop.call(shop.ship, "o-1") == "shipped"
+        assert shop.runs["ship"] == 1
+    finally:
+        shop.ledger.close()
+
+
+# -- gc and stats -------------------------------------------------------------------------------
+
+
+def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> None:
+    """gc removes outcomes past a tiny ttl, never the UNKNOWN or the crashed CLAIMED record."""
+    shop = Shop(ledger_url, f"t-{secrets.token_hex(4)}", ttl=0.3)
+    ns = shop.ledger.namespace
+    keys = Shop.keys
+    try:
+        with running_owner(ledger_url, ns, tmp_path) as kill:
+            shop.park()  # charge, refund and mail keep their outcome 0.3 s; wire is UNKNOWN
+            kill()
+        wait_lapsed(ledger_url, ns, keys["claimed"])
+        time.sleep(0.4)
+        dry = ok(cli(ledger_url, ns, "gc", "--dry-run")).stdout
+        assert "nothing removed" in dry
+        assert "2 claimed or unknown records, never removed" in dry
+        out = ok(cli(ledger_url, ns, "gc")).stdout
+        removed = int(out.split()[1])
+        assert out.startswith(f"removed {removed} expired outcome")
+        if "redis" in ledger_url:
+            assert 0 <= removed <= 3  # Redis expires them itself (PEXPIREAT)
+        else:
+            assert removed == 3
+        assert "removed 0 expired outcomes" in ok(cli(ledger_url, ns, "gc")).stdout
+        left = listed(ledger_url, ns)
+        assert {key: r["state"] for key, r in left.items()} == {
+            keys["unknown"]: "unknown",
+            keys["claimed"]: "claimed",
+        }
+        assert left[keys["claimed"]]["lease_lapsed"] is True
+    finally:
+        shop.ledger.close()
+
+
+def test_stats_counts_by_state_and_tool(parked: tuple[str, str]) -> None:
+    """``stats`` counts one record per state and per tool, and says duplicates are not counted."""
+    url, ns = parked
+    data = json.loads(ok(cli(url, ns, "stats", "--json")).stdout)
+    assert data["records"] == 5
+    assert data["by_state"] == dict.fromkeys(
+        ("claimed", "succeeded", "failed", "released", "unknown"), 1
+    )
+    assert {tool: c["records"] for tool, c in data["by_tool"].items()} == dict.fromkeys(
+        ("charge", "refund", "wire", "mail", "ship"), 1
+    )
+    assert data["by_tool"]["wire"]["by_state"]["unknown"] == 1
+    assert data["duplicates_answered"] is None
+    out = ok(cli(url, ns, "stats")).stdout
+    assert "5 live records" in out
+    assert "not available yet" in out
+    row = next(line for line in out.splitlines() if "all tools" in line)
+    assert row.split()[2:] == ["1", "1", "1", "1", "1", "5"]
+
+
+# -- errors and the real command ----------------------------------------------------------------
+
+
+def test_unknown_key_is_one_line_and_exit_1(ledger_url: str) -> None:
+    """An unknown key is refused with one line and exit code 1, by show and by resolve."""
+    ns = f"t-{secrets.token_hex(4)}"
+    for args in (["show", "feedface"], ["resolve", "feedface", "--released"]):
+        line = one_line_error(cli(ledger_url, ns, *args), 1)
+        assert "no record with a key starting 'feedface'" in line
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "words"),
+    [
+        pytest.param("nosuch://x", 2, "bad ledger URL nosuch://x", id="bad-url"),
+        pytest.param("memory://", 2, "inside one process", id="memory"),
+        pytest.param("redis://127.0.0.1:1/0", 3, "unreachable", id="unreachable"),
+        pytest.param("sqlite:////nonexistent/twiceshy/l.db", 3, "no ledger file", id="no-file"),
+    ],
+)
+def test_ledger_errors_are_one_line(url: str, code: int, words: str) -> None:
+    """A bad URL (2) or a ledger that cannot be reached (3): one line, no traceback."""
+    for command in (["ls"], ["show", "abc"], ["gc"], ["stats"]):
+        assert words in one_line_error(cli(url, "", *command), code)
+
+
+def test_password_is_not_printed() -> None:
+    """A password in the ledger URL never reaches the terminal."""
+    line = one_line_error(cli("redis://:hunter2@127.0.0.1:1/0", "", "ls"), 3)
+    assert "hunter2" not in line
+    assert "***" in line
+
+
+def _script(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    env.pop("TWICESHY_LEDGER", None)
+    return subprocess.run(
+        [sys.executable, "-m", "twiceshy", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_python_m_twiceshy(parked: tuple[str, str]) -> None:
+    """``python -m twiceshy`` lists and shows records, and fails an unknown key in one line."""
+    url, ns = parked
+    done = _script("ls", "--json", "--ledger", url, "--namespace", ns)
+    assert done.returncode == 0, done.stderr
+    assert {r["state"] for r in json.loads(done.stdout)} == set(Shop.keys)
+    done = _script("show", Shop.keys["unknown"][:12], "--ledger", url, "--namespace", ns)
+    assert done.returncode == 0, done.stderr
+    assert Shop.keys["unknown"] in done.stdout
+    done = _script("show", "feedface", "--ledger", url, "--namespace", ns)
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stdout == ""
+
+
+def test_python_m_twiceshy_ledger_from_the_environment() -> None:
+    """``TWICESHY_LEDGER`` names the ledger; an unreachable one exits 3 with one line."""
+    env = {**os.environ, "TWICESHY_LEDGER": "redis://127.0.0.1:1/0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "twiceshy", "stats"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "redis://127.0.0.1:1/0" in done.stderr
+    assert "Traceback" not in done.stderr
