@@ -332,7 +332,7 @@ def test_ls_filters(parked: tuple[str, str]) -> None:
 def test_ls_help_says_records_have_no_scope() -> None:
     """``ls`` offers no --scope, and its help says why."""
     out = ok(CliRunner().invoke(main, ["ls", "--help"])).stdout
-    assert "--scope" not in out
+    assert "--scope" not in out.partition("Options:")[2]
     assert "do not keep the scope" in " ".join(out.split())
 
 
@@ -466,9 +466,9 @@ def test_resolve_that_loses_a_race_writes_nothing(
 
     def find_then_someone_else_resolves(store: Any, namespace: str, prefix: str) -> Any:
         found = find(store, namespace, prefix)
-        if not raced:
-            # Another operator resolves the same record between our read and our write.
-            raced.append(cli(ledger_url, ns, "resolve", key, "--released"))
+        # Another operator resolves the same record between our read and our write.
+        monkeypatch.setattr(cli_module, "_find", find)
+        raced.append(cli(ledger_url, ns, "resolve", key, "--released"))
         return found
 
     monkeypatch.setattr(cli_module, "_find", find_then_someone_else_resolves)

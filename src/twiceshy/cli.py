@@ -42,7 +42,6 @@ from urllib.parse import unquote, urlsplit
 import twiceshy
 
 from ._codec import ResultCodec
-from ._demo import run_demo
 from ._protocol import TRANSITIONS, Actor
 from ._records import Change, Record, State
 from .errors import ResultNotStorable, StoreError
@@ -364,6 +363,8 @@ def demo(ledger_url: str | None) -> None:
     Exits 0 when the story comes out as told: two charges for the plain retry loop, one for the
     KEYED tool, one for the UNSAFE tool.
     """
+    from ._demo import run_demo  # the demo's provider double is for this command only
+
     try:
         result = run_demo(ledger_url, console=Console())
     except (ValueError, twiceshy.StoreError) as exc:

@@ -1,0 +1,120 @@
+"""OpenTelemetry spans and metrics for every protected call, through the ledger's observer hook.
+
+One line, where the ledger is made::
+
+    ledger.observe(TwiceshyTelemetry())
+
+For each protected call, once it is answered (a :class:`twiceshy.CallEvent`):
+
+- a span ``twiceshy <tool>`` of kind INTERNAL, timed by the event, with the attributes
+  ``twiceshy.tool``, ``twiceshy.key`` (when there is one), ``twiceshy.effect`` and
+  ``twiceshy.outcome``; when the caller got an exception, status ERROR, the exception recorded
+  as a span event and ``error.type``;
+- one count on the counter ``twiceshy.calls`` and one point on the histogram
+  ``twiceshy.call.duration`` (seconds), both with ``twiceshy.tool``, ``twiceshy.effect``,
+  ``twiceshy.outcome`` and, on failure, ``error.type``; never the key, whose every value is new.
+
+The span is made after the call, in the caller's context: its parent is the span current where
+the tool was called. Spans the tool itself opened while it ran are therefore its siblings, not
+its children.
+
+Only ``opentelemetry-api`` is used; without an SDK configured every span and point is a no-op.
+Install with ``pip install 'twiceshy[opentelemetry]'``.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import metrics, trace
+
+from .. import __version__
+from .._records import CallEvent
+
+__all__ = ["TwiceshyTelemetry"]
+
+SCOPE = "twiceshy"
+"""The instrumentation scope of the tracer and the meter (with twiceshy's version)."""
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
+"""The histogram's advised bucket boundaries: OpenTelemetry's for durations in seconds."""
+
+
+def _error_type(error: BaseException) -> str:
+    """The exception's fully qualified class name, as ``error.type`` and ``exception.type`` say."""
+    cls = type(error)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+class TwiceshyTelemetry:
+    """A ledger observer that turns each protected call into a span and two metric points.
+
+    Give it to a ledger with ``ledger.observe(TwiceshyTelemetry())`` or
+    ``Ledger(..., observers=[TwiceshyTelemetry()])``. It keeps no per-call state: one instance
+    may observe any number of ledgers, from any thread or task.
+
+    Every call that ended in an exception gets status ERROR, whatever its outcome: the caller
+    did not get a result. That includes twiceshy's honest answers (``OutcomeUnknown``,
+    ``InProgress``), refusals before anything ran, and a recorded failure replayed to a retry;
+    ``twiceshy.outcome`` tells them apart. A call that returned leaves the status unset, as
+    OpenTelemetry asks of instrumentation.
+
+    Args:
+        tracer_provider: where spans go; by default the global one
+            (``opentelemetry.trace.get_tracer_provider()``, followed once it is set).
+        meter_provider: where metrics go; by default the global one, likewise.
+    """
+
+    __slots__ = ("_calls", "_duration", "_tracer")
+
+    def __init__(
+        self,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
+        meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
+        self._calls = meter.create_counter(
+            "twiceshy.calls", unit="{call}", description="Protected tool calls, by outcome."
+        )
+        self._duration = meter.create_histogram(
+            "twiceshy.call.duration",
+            unit="s",
+            description="How long protected tool calls took to be answered.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+
+    def __call__(self, event: CallEvent) -> None:
+        """Record one answered call: its span, its count and its duration."""
+        labels = {
+            "twiceshy.tool": event.tool,
+            "twiceshy.effect": event.effect.value,
+            "twiceshy.outcome": event.outcome.value,
+        }
+        if event.error is not None:
+            labels["error.type"] = _error_type(event.error)
+        attributes = dict(labels)
+        if event.key is not None:
+            attributes["twiceshy.key"] = event.key
+        # The event is told after the call: the span is back-dated to when the call began.
+        start = round(event.started * 1e9)
+        end = start + round(event.duration * 1e9)
+        span = self._tracer.start_span(
+            f"twiceshy {event.tool}",
+            kind=trace.SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=start,
+        )
+        if event.error is not None:
+            # Escaped: the caller got it, the span's operation did not handle it.
+            span.record_exception(event.error, timestamp=end, escaped=True)
+            span.set_status(
+                trace.Status(trace.StatusCode.ERROR, f"{type(event.error).__name__}: {event.error}")
+            )
+        span.end(end_time=end)
+        self._calls.add(1, labels)
+        self._duration.record(event.duration, labels)
+
+    def __repr__(self) -> str:
+        return "TwiceshyTelemetry()"
