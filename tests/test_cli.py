@@ -512,11 +512,13 @@ def test_resolve_force_settles_a_crashed_owner(ledger_url: str, tmp_path: Path) 
 def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> None:
     """gc removes outcomes past a tiny ttl, never the UNKNOWN or the crashed CLAIMED record."""
     shop = Shop(ledger_url, f"t-{secrets.token_hex(4)}", ttl=0.3)
+    other = Shop(ledger_url, f"other-{secrets.token_hex(4)}", ttl=0.3)
     ns = shop.ledger.namespace
     keys = Shop.keys
     try:
         with running_owner(ledger_url, ns, tmp_path) as kill:
             shop.park()  # charge, refund and mail keep their outcome 0.3 s; wire is UNKNOWN
+            other.call(other.charge, 4900)
             kill()
         wait_lapsed(ledger_url, ns, keys["claimed"])
         time.sleep(0.4)
@@ -531,14 +533,19 @@ def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> No
         else:
             assert removed == 3
         assert "removed 0 expired outcomes" in ok(cli(ledger_url, ns, "gc")).stdout
+        everywhere = ok(cli(ledger_url, ns, "gc", "--all-namespaces")).stdout
+        if "redis" not in ledger_url:
+            assert everywhere == "removed 1 expired outcome from every namespace\n"
         left = listed(ledger_url, ns)
         assert {key: r["state"] for key, r in left.items()} == {
             keys["unknown"]: "unknown",
             keys["claimed"]: "claimed",
         }
         assert left[keys["claimed"]]["lease_lapsed"] is True
+        assert listed(ledger_url, other.ledger.namespace) == {}
     finally:
         shop.ledger.close()
+        other.ledger.close()
 
 
 def test_stats_counts_by_state_and_tool(parked: tuple[str, str]) -> None:

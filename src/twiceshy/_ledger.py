@@ -53,6 +53,7 @@ from .errors import (
     KeyReuseMismatch,
     MissingScope,
     OutcomeUnknown,
+    StoreError,
     UnkeyableArgument,
 )
 from .stores import AsyncStore, Store, default_url, open_store
@@ -92,6 +93,8 @@ def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
         return Outcome.IN_PROGRESS
     if isinstance(error, KeyReuseMismatch | MissingScope | UnkeyableArgument):
         return Outcome.REFUSED
+    if isinstance(error, StoreError):
+        return Outcome.STORE_ERROR
     return seen.outcome
 
 
@@ -522,7 +525,8 @@ class Ledger:
         self._observers = (*self._observers, observer)
 
     def _observed(self) -> bool:
-        return bool(self._observers) or log.isEnabledFor(logging.DEBUG)
+        # WARNING: an unknown outcome is always logged where warnings are shown.
+        return bool(self._observers) or log.isEnabledFor(logging.WARNING)
 
     def _tell(
         self,

@@ -64,9 +64,10 @@ _C, _S, _F, _R, _U = State.CLAIMED, State.SUCCEEDED, State.FAILED, State.RELEASE
 TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
     # (from, to): who may write it. None is "no live record". Every guard includes the fence.
     (None, _C): frozenset({Actor.CALLER}),  # the insert wins
-    (_C, _S): frozenset({Actor.OWNER}),
-    (_C, _F): frozenset({Actor.OWNER}),
-    (_C, _R): frozenset({Actor.OWNER}),
+    # reconciler (an operator's `twiceshy resolve --force`): only once the lease has lapsed
+    (_C, _S): frozenset({Actor.OWNER, Actor.RECONCILER}),
+    (_C, _F): frozenset({Actor.OWNER, Actor.RECONCILER}),
+    (_C, _R): frozenset({Actor.OWNER, Actor.RECONCILER}),
     (_C, _U): frozenset({Actor.OWNER, Actor.CALLER}),  # caller: lease lapsed, UNSAFE only
     (_C, _C): frozenset({Actor.OWNER, Actor.CALLER}),  # owner: heartbeat; caller: lapsed takeover
     (_R, _C): frozenset({Actor.CALLER}),

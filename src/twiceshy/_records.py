@@ -66,6 +66,8 @@ class Outcome(enum.Enum):
     UNKNOWN = "unknown"
     #: An identical call is still running: ``InProgress``.
     IN_PROGRESS = "in_progress"
+    #: The ledger failed (``StoreError``); the error says whether the tool had run.
+    STORE_ERROR = "store_error"
 
 
 @dataclass(frozen=True, slots=True)

@@ -325,7 +325,13 @@ def _as_json(record: Record, now: float) -> dict[str, Any]:
 
 
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A stored lone surrogate has no UTF-8 form: print it as a \udxxx escape instead.
+        text = json.dumps(data, indent=2)
+    click.echo(text)
 
 
 def _state_text(record: Record, now: float) -> Text:
@@ -452,7 +458,7 @@ def ls(
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="The record as one JSON object.")
 def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> None:
-    """Show the whole record of KEY (or of the one key starting with KEY)."""
+    """Show one whole record: KEY, or a unique prefix of it."""
     with _opened(ledger_url) as store:
         record, now = _find(store, namespace, key)
     if as_json:
@@ -584,9 +590,9 @@ def resolve(
     result: str | None,
     message: str | None,
     force: bool,
-    ttl: float,
+    ttl: float | None,
 ) -> None:
-    """Settle the parked record KEY (or the one key starting with KEY), as a reconciler.
+    """Settle a parked record, as a reconciler: KEY or a unique prefix of it.
 
     Only an unknown record can be resolved (with --force, also a claimed record whose lease has
     lapsed on the store's clock). The write is fenced: when the record changed meanwhile,
@@ -595,6 +601,8 @@ def resolve(
     given = [released, result is not None, message is not None]
     if sum(given) != 1:
         raise click.UsageError("give exactly one of --released, --succeeded JSON, --failed MESSAGE")
+    if ttl is None or ttl <= 0:
+        raise click.BadParameter("the resolved outcome must be kept a while", param_hint="--ttl")
     fields: dict[str, str] = {}
     if released:
         to = State.RELEASED
@@ -630,7 +638,11 @@ def resolve(
 @click.option("--dry-run", is_flag=True, help="Remove nothing; say what gc keeps.")
 @click.option("--all-namespaces", is_flag=True, help="Remove expired outcomes of every namespace.")
 def gc(ledger_url: str | None, namespace: str, dry_run: bool, all_namespaces: bool) -> None:
-    """Remove outcomes past their retention; never a claimed or unknown record."""
+    """Remove expired outcomes; never a claimed or unknown record.
+
+    Says how many outcomes were removed. Redis drops expired outcomes by itself, so there gc
+    often finds none.
+    """
     if dry_run and all_namespaces:
         raise click.UsageError("--dry-run looks at one namespace; drop --all-namespaces")
     where = "every namespace" if all_namespaces else f"namespace {namespace!r}"

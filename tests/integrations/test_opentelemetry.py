@@ -1,4 +1,4 @@
-"""OpenTelemetry spans and metrics of protected calls, read back from the SDK's in-memory exporters."""
+"""OpenTelemetry spans and metrics of protected calls, read back from the SDK's in-memory stores."""
 
 from __future__ import annotations
 
@@ -87,6 +87,13 @@ def telemetry() -> Iterator[Telemetry]:
 def exception_events(span: ReadableSpan) -> list[Mapping[str, Any]]:
     """The attributes of a span's ``exception`` events."""
     return [dict(e.attributes or {}) for e in span.events if e.name == "exception"]
+
+
+def times(span: ReadableSpan) -> tuple[int, int]:
+    """A finished span's start and end (nanoseconds since the epoch)."""
+    assert span.start_time is not None
+    assert span.end_time is not None
+    return span.start_time, span.end_time
 
 
 def test_executed_and_replayed_calls_make_one_span_each(telemetry: Telemetry) -> None:
@@ -186,13 +193,11 @@ def test_a_refused_call_has_no_key(telemetry: Telemetry) -> None:
         "error.type": "twiceshy.errors.MissingScope",
     }
     assert span.status.status_code is StatusCode.ERROR
-    assert [e["exception.type"] for e in exception_events(span)] == [
-        "twiceshy.errors.MissingScope"
-    ]
+    assert [e["exception.type"] for e in exception_events(span)] == ["twiceshy.errors.MissingScope"]
 
 
 def test_joined_async_calls_are_children_of_the_task_span(telemetry: Telemetry) -> None:
-    """Two concurrent async calls of one intent: executed and joined, both under the caller's span."""
+    """Two concurrent async calls of one intent, executed and joined, both under the task's span."""
     ledger, _ = telemetry.ledger()
     tracer = telemetry.tracer_provider.get_tracer("agent")
     release = asyncio.Event()
@@ -213,7 +218,7 @@ def test_joined_async_calls_are_children_of_the_task_span(telemetry: Telemetry) 
 
     assert asyncio.run(main()) == [7, 7]
     spans = telemetry.spans()
-    assert sorted((span.attributes or {})["twiceshy.outcome"] for span in spans) == [
+    assert sorted(str((span.attributes or {})["twiceshy.outcome"]) for span in spans) == [
         "executed",
         "joined",
     ]
@@ -244,14 +249,14 @@ def test_the_parent_is_the_callers_span_and_tool_spans_are_siblings(telemetry: T
     inside, outside = telemetry.spans()
     request = finished["POST /v1/charges"]
     step_id = step.get_span_context().span_id
-    assert inside.parent is not None and inside.parent.span_id == step_id
-    assert request.parent is not None and request.parent.span_id == step_id
+    assert inside.parent is not None
+    assert inside.parent.span_id == step_id
+    assert request.parent is not None
+    assert request.parent.span_id == step_id
     assert inside.context.trace_id == request.context.trace_id
     # Not its child, but it still covers the tool's work in time.
-    assert inside.start_time is not None and request.start_time is not None
-    assert inside.end_time is not None and request.end_time is not None
-    assert inside.start_time <= request.start_time
-    assert request.end_time <= inside.end_time
+    (inside_start, inside_end), (request_start, request_end) = times(inside), times(request)
+    assert inside_start <= request_start <= request_end <= inside_end
     assert outside.parent is None
     assert outside.context.trace_id != inside.context.trace_id
 
@@ -273,12 +278,13 @@ def test_span_timing_is_the_events(telemetry: Telemetry) -> None:
     spans = telemetry.spans()
     assert len(spans) == len(events) == 2
     for span, event in zip(spans, events, strict=True):
-        assert span.start_time is not None and span.end_time is not None
-        assert abs(span.start_time - event.started * 1e9) < 1_000
-        assert span.end_time - span.start_time == round(event.duration * 1e9)
-        assert before - 1_000 <= span.start_time <= span.end_time <= after + 1_000
-    assert spans[0].end_time - spans[0].start_time >= 20_000_000  # type: ignore[operator]
-    assert spans[0].end_time <= spans[1].start_time  # type: ignore[operator]
+        start, end = times(span)
+        assert abs(start - event.started * 1e9) < 1_000
+        assert end - start == round(event.duration * 1e9)
+        assert before - 1_000 <= start <= end <= after + 1_000
+    (first_start, first_end), (second_start, _) = times(spans[0]), times(spans[1])
+    assert first_end - first_start >= 20_000_000
+    assert first_end <= second_start
 
 
 def test_calls_are_counted_by_outcome(telemetry: Telemetry) -> None:
@@ -329,7 +335,7 @@ def test_calls_are_counted_by_outcome(telemetry: Telemetry) -> None:
 def test_importing_the_integration_leaves_opentelemetry_alone() -> None:
     """``twiceshy.integrations.opentelemetry`` does not shadow the ``opentelemetry`` package."""
     assert otel.__name__ == "twiceshy.integrations.opentelemetry"
-    assert otel.trace is opentelemetry.trace
+    assert vars(otel)["trace"] is opentelemetry.trace
     assert sys.modules["opentelemetry"] is opentelemetry
     assert opentelemetry.__name__ == "opentelemetry"
     assert not hasattr(opentelemetry, "TwiceshyTelemetry")

@@ -34,7 +34,7 @@ __all__ = ["TwiceshyTelemetry"]
 SCOPE = "twiceshy"
 """The instrumentation scope of the tracer and the meter (with twiceshy's version)."""
 
-DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 """The histogram's advised bucket boundaries: OpenTelemetry's for durations in seconds."""
 
 
