@@ -14,6 +14,8 @@ error where nobody can know it.
     True
 """
 
+import logging as _logging
+
 from ._canonical import canonical_json, idempotency_key
 from ._ledger import Guard, Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
@@ -44,6 +46,10 @@ UNSAFE = Effect.UNSAFE
 """Never retry blindly: one attempt, then an honest error."""
 
 __version__ = "0.1.0.dev0"
+
+# A library leaves handlers to the application: without one, Python's last-resort handler would
+# print twiceshy's warnings to stderr.
+_logging.getLogger("twiceshy").addHandler(_logging.NullHandler())
 
 __all__ = [
     "KEYED",
