@@ -873,3 +873,38 @@ def test_guard_async_call_and_narrowing(ledger: twiceshy.Ledger) -> None:
 
     asyncio.run(main())
     assert runs == [1]
+
+
+def test_settle_reconciles_a_parked_record_outside_any_call(ledger: twiceshy.Ledger) -> None:
+    """Guard.settle asks the reconciler with the key alone and records what it found."""
+    asked: list[tuple[str, object]] = []
+    found: dict[str, twiceshy.Happened | None] = {"answer": None}
+
+    def look_up(key: str, args: object) -> twiceshy.Happened | None:
+        asked.append((key, args))
+        return found["answer"]
+
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=look_up)
+    def wire(amount: int) -> dict[str, str]:
+        runs.append(amount)
+        raise TimeoutError
+
+    guard = wire.twiceshy  # type: ignore[attr-defined]
+    key = twiceshy.idempotency_key("run-32", "wire", {"amount": 3})
+    with twiceshy.run("run-32"), pytest.raises(twiceshy.OutcomeUnknown):
+        wire(3)
+    asked.clear()
+    record = guard.settle(key)
+    assert record is not None
+    assert record.state is twiceshy.State.UNKNOWN
+    found["answer"] = twiceshy.Happened({"id": "w_1"})
+    record = guard.settle(key)
+    assert record is not None
+    assert record.state is twiceshy.State.SUCCEEDED
+    assert asked == [(key, None), (key, None)]
+    with twiceshy.run("run-32"):
+        assert wire(3) == {"id": "w_1"}
+    assert runs == [3]
+    assert guard.settle("no-such-key") is None

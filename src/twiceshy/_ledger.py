@@ -45,8 +45,9 @@ from ._protocol import (
     exponential_backoff,
     protect,
     retry_only,
+    settle,
 )
-from ._records import CallEvent, Effect, Outcome
+from ._records import CallEvent, Effect, Outcome, Record, State
 from ._scope import Current, current_scope, reset_call, set_call
 from .errors import (
     InProgress,
@@ -66,8 +67,13 @@ R = TypeVar("R")
 log = logging.getLogger("twiceshy")
 
 Duration = float | timedelta
-Reconciler = Callable[[str, Mapping[str, Any]], Any]
-"""``reconcile(key, arguments)``: ``Happened(result)``, ``DidNotHappen()`` or ``None``."""
+Reconciler = Callable[[str, Mapping[str, Any] | None], Any]
+"""``reconcile(key, arguments)``: ``Happened(result)``, ``DidNotHappen()`` or ``None``.
+
+``arguments`` is ``None`` when an operator reconciles a parked record outside any call
+(:meth:`Guard.settle`, ``twiceshy reconcile``): the ledger keeps no arguments, only their
+fingerprint, so a reconciler that can look the effect up by the key alone serves both cases.
+"""
 
 _Work = Callable[[str], Any]
 """The work of one call, given the call's key (the decorator injects it into the tool)."""
@@ -98,6 +104,14 @@ def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
     return seen.outcome
 
 
+async def _awaited(answer: Awaitable[Any], key: str) -> Any:
+    try:
+        return await answer
+    except Exception:
+        log.warning("twiceshy: reconcile of key %s failed", key, exc_info=True)
+        return None
+
+
 def _seconds(value: Duration, name: str) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if seconds < 0:
@@ -114,7 +128,7 @@ def _for_joiners(plan: CallPlan, error: BaseException) -> BaseException:
     return error if isinstance(error, Exception) else InProgress(plan.policy.tool, plan.key)
 
 
-def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any]) -> Any:
+def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any] | None) -> Any:
     """Ask a reconciler; a reconciler that fails cannot tell, and the doubt stands."""
     try:
         return reconcile(key, arguments)
@@ -219,6 +233,34 @@ class Guard:
         """:meth:`call` for async work."""
         bound = self.bind(arguments, key=key)
         return cast("R", await self._aexecute(bound, lambda _key: work(), scope))
+
+    def settle(self, key: str) -> Record | None:
+        """Ask this tool's reconciler about a parked (UNKNOWN) record, outside any call.
+
+        For operators (``twiceshy reconcile``): the reconciler gets ``(key, None)``. A record
+        that is not UNKNOWN, or belongs to another tool, is answered unchanged.
+
+        Returns:
+            The record afterwards: SUCCEEDED or RELEASED when the reconciler knew, else as it
+            was; ``None`` when the key has no record.
+
+        Raises:
+            ValueError: the tool has no reconciler.
+            StoreError: the ledger failed.
+        """
+        if self._reconcile is None:
+            raise ValueError(f"the tool {self.name!r} has no reconcile= function")
+        store, ns = self._ledger.store, self._ledger.namespace
+        record = store.get(ns, key).record
+        if record is None or record.state is not State.UNKNOWN or record.tool != self.name:
+            return record
+        answer = _reconciled(self._reconcile, key, None)
+        if inspect.isawaitable(answer):
+            answer = asyncio.run(_awaited(answer, key))
+        change = settle(self.policy, record, answer)
+        if change is None:
+            return record
+        return store.write(ns, key, change).record
 
     # -- shared, no I/O --------------------------------------------------------------------
 

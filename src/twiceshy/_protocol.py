@@ -48,6 +48,7 @@ __all__ = [
     "exponential_backoff",
     "protect",
     "retry_only",
+    "settle",
 ]
 
 
@@ -258,6 +259,20 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+def settle(policy: Policy, record: Record, answer: object) -> Change | None:
+    """The write that settles an UNKNOWN ``record`` by a reconciler's answer, if it knew.
+
+    ``Happened(result)`` records the result (SUCCEEDED); ``DidNotHappen()`` releases the intent
+    (RELEASED); anything else (``None``: it cannot tell) leaves the doubt standing.
+    """
+    if isinstance(answer, Happened):
+        text = policy.codec.encode(answer.result)
+        return _change(Actor.RECONCILER, record, _S, result=text, ttl=policy.ttl)
+    if isinstance(answer, DidNotHappen):
+        return _change(Actor.RECONCILER, record, _R, ttl=policy.ttl)
+    return None
+
+
 def protect(plan: CallPlan) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error."""
     started = yield Now()
@@ -327,14 +342,9 @@ def protect(plan: CallPlan) -> Protocol:
             reconciled = True
             answer = yield Reconcile()
             settled = Outcome.RECONCILED
-            if isinstance(answer, Happened):
-                text = plan.policy.codec.encode(answer.result)
-                snap = yield Write(
-                    _change(Actor.RECONCILER, record, _S, result=text, ttl=plan.policy.ttl)
-                )
-                continue
-            if isinstance(answer, DidNotHappen):
-                snap = yield Write(_change(Actor.RECONCILER, record, _R, ttl=plan.policy.ttl))
+            settlement = settle(plan.policy, record, answer)
+            if settlement is not None:
+                snap = yield Write(settlement)
                 continue
         if plan.policy.effect is Effect.UNSAFE:
             raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
