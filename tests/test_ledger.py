@@ -908,3 +908,36 @@ def test_settle_reconciles_a_parked_record_outside_any_call(ledger: twiceshy.Led
         assert wire(3) == {"id": "w_1"}
     assert runs == [3]
     assert guard.settle("no-such-key") is None
+
+
+def test_with_errors_extends_a_guard(ledger: twiceshy.Ledger) -> None:
+    """with_errors adds definite and not-applied types to a guard; the original is unchanged."""
+
+    class Refused(Exception):
+        pass
+
+    class Declined(Exception):
+        pass
+
+    base = ledger.guard("pay", effect=twiceshy.UNSAFE)
+    extended = base.with_errors(definite=[Declined], not_applied=[Refused])
+    runs: list[str] = []
+
+    def refuse() -> None:
+        runs.append("refused")
+        raise Refused
+
+    def decline() -> None:
+        runs.append("declined")
+        raise Declined("no funds")
+
+    with pytest.raises(Refused):
+        extended.call({"n": 1}, refuse, scope="run-33")
+    with pytest.raises(Declined):
+        extended.call({"n": 1}, decline, scope="run-33")
+    with pytest.raises(Declined):
+        extended.call({"n": 1}, decline, scope="run-33")
+    with pytest.raises(twiceshy.OutcomeUnknown):
+        base.call({"n": 2}, decline, scope="run-33")
+    assert runs == ["refused", "declined", "declined"]
+    assert base.policy.definite == ()

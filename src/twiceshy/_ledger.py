@@ -15,6 +15,7 @@ Layers, from the bottom:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -233,6 +234,32 @@ class Guard:
         """:meth:`call` for async work."""
         bound = self.bind(arguments, key=key)
         return cast("R", await self._aexecute(bound, lambda _key: work(), scope))
+
+    def with_errors(
+        self,
+        *,
+        definite: Collection[type[BaseException]] = (),
+        not_applied: Collection[type[BaseException]] = (),
+    ) -> Guard:
+        """This guard, reading more exception types as certain failures or as "nothing happened".
+
+        For adapters: a framework's own "the tool failed for certain" exception can be added to a
+        guard the user built, without rebuilding it.
+        """
+        policy = dataclasses.replace(
+            self.policy,
+            definite=(*self.policy.definite, *definite),
+            not_applied=(*self.policy.not_applied, *not_applied),
+        )
+        return Guard(
+            self._ledger,
+            policy,
+            recorded=self.recorded,
+            reconcile=self._reconcile,
+            scope=self._scope,
+            key_args=self._key_args,
+            ignore_args=self._ignore_args,
+        )
 
     def settle(self, key: str) -> Record | None:
         """Ask this tool's reconciler about a parked (UNKNOWN) record, outside any call.
