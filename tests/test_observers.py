@@ -163,3 +163,19 @@ def test_calls_are_logged_with_their_fields(caplog: pytest.LogCaptureFixture) ->
     assert [r.twiceshy_outcome for r in records] == ["executed", "replayed"]  # type: ignore[attr-defined]
     assert all(r.twiceshy_tool == "t" for r in records)  # type: ignore[attr-defined]
     assert records[0].twiceshy_key == twiceshy.idempotency_key("obs-7", "t", {})  # type: ignore[attr-defined]
+
+
+def test_unknown_outcome_warns_without_observers(caplog: pytest.LogCaptureFixture) -> None:
+    """With no observer and only warnings shown, an unknown outcome is still logged as a warning."""
+    ledger = twiceshy.Ledger("memory://")
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def wire() -> None:
+        raise TimeoutError
+
+    with twiceshy.run("obs-8"), caplog.at_level(logging.WARNING, logger="twiceshy"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            wire()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].twiceshy_outcome == "unknown"  # type: ignore[attr-defined]

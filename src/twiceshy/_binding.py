@@ -167,6 +167,8 @@ class Binder:
             kind = self._signature.parameters[name].kind
             # A tuple of *args is a list to the key; **kwargs stays one nested mapping.
             arguments[name] = list(value) if kind is inspect.Parameter.VAR_POSITIONAL else value
+        if self._keyed is None and not self._ignored:
+            return BoundCall(arguments, arguments, explicit)
         return BoundCall.of(
             arguments, key_args=self._keyed, ignore_args=self._ignored, explicit_key=explicit
         )

@@ -317,7 +317,12 @@ class Guard:
 
     def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
         if not self._ledger._observed():
-            return self._execute_once(bound, work, scope, _Seen())
+            seen, clock = _Seen(), time.perf_counter()
+            try:
+                return self._execute_once(bound, work, scope, seen)
+            except OutcomeUnknown as exc:  # always worth a warning, observed or not
+                self._ledger._tell_late(self, seen, exc, clock)
+                raise
         seen, started, clock = _Seen(), time.time(), time.perf_counter()
         try:
             value = self._execute_once(bound, work, scope, seen)
@@ -423,7 +428,12 @@ class Guard:
 
     async def _aexecute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
         if not self._ledger._observed():
-            return await self._aexecute_once(bound, work, scope, _Seen())
+            seen, clock = _Seen(), time.perf_counter()
+            try:
+                return await self._aexecute_once(bound, work, scope, seen)
+            except OutcomeUnknown as exc:  # always worth a warning, observed or not
+                self._ledger._tell_late(self, seen, exc, clock)
+                raise
         seen, started, clock = _Seen(), time.time(), time.perf_counter()
         try:
             value = await self._aexecute_once(bound, work, scope, seen)
@@ -594,8 +604,12 @@ class Ledger:
         self._observers = (*self._observers, observer)
 
     def _observed(self) -> bool:
-        # WARNING: an unknown outcome is always logged where warnings are shown.
-        return bool(self._observers) or log.isEnabledFor(logging.WARNING)
+        return bool(self._observers) or log.isEnabledFor(logging.DEBUG)
+
+    def _tell_late(self, guard: Guard, seen: _Seen, error: BaseException, clock: float) -> None:
+        """Tell of a call that was not observed from its start (an unknown outcome's warning)."""
+        duration = time.perf_counter() - clock
+        self._tell(guard, seen, error, time.time() - duration, duration)
 
     def _tell(
         self,
