@@ -173,9 +173,12 @@ def test_unknown_outcome_warns_without_observers(caplog: pytest.LogCaptureFixtur
     def wire() -> None:
         raise TimeoutError
 
-    with twiceshy.run("obs-8"), caplog.at_level(logging.WARNING, logger="twiceshy"):
-        with pytest.raises(twiceshy.OutcomeUnknown):
-            wire()
+    with (
+        twiceshy.run("obs-8"),
+        caplog.at_level(logging.WARNING, logger="twiceshy"),
+        pytest.raises(twiceshy.OutcomeUnknown),
+    ):
+        wire()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert warnings[0].twiceshy_outcome == "unknown"  # type: ignore[attr-defined]
