@@ -353,7 +353,7 @@ def _state_text(record: Record, now: float) -> Text:
 def main() -> None:
     """twiceshy: side-effecting tool calls of AI agents, safe to retry.
 
-    The ledger commands (ls, show, resolve, gc, stats) take --ledger URL (or TWICESHY_LEDGER)
+    The ledger commands (ls, show, resolve, gc, stats, reconcile) take --ledger URL (or TWICESHY_LEDGER)
     and --namespace NS. Exit codes: 0 done, 1 refused or not found, 2 usage, 3 the ledger
     cannot be reached or used.
     """
@@ -851,7 +851,9 @@ def reconcile(
     with _opened(ledger_url) as store:
         ledger = twiceshy.Ledger(store=store, namespace=namespace)
         for name, (guard, _) in guards.items():
-            asked = _Asked(guard._reconcile)  # type: ignore[arg-type]
+            if guard._reconcile is None:  # policy.reconcile says it has one
+                continue
+            asked = _Asked(guard._reconcile)
             on_ledger = _on(ledger, guard, asked)
             for record in store.records(namespace, states=[State.UNKNOWN], tool=name):
                 row: dict[str, Any] = {"key": record.key, "tool": name}
