@@ -353,9 +353,9 @@ def _state_text(record: Record, now: float) -> Text:
 def main() -> None:
     """twiceshy: side-effecting tool calls of AI agents, safe to retry.
 
-    The ledger commands (ls, show, resolve, gc, stats, reconcile) take --ledger URL (or TWICESHY_LEDGER)
-    and --namespace NS. Exit codes: 0 done, 1 refused or not found, 2 usage, 3 the ledger
-    cannot be reached or used.
+    The ledger commands (ls, show, resolve, gc, stats, reconcile) take --ledger URL (or
+    TWICESHY_LEDGER) and --namespace NS. Exit codes: 0 done, 1 refused or not found, 2 usage,
+    3 the ledger cannot be reached or used.
     """
 
 
@@ -881,15 +881,19 @@ def reconcile(
     table.add_column("key", no_wrap=True)
     table.add_column("tool", overflow="fold")
     table.add_column("result")
-    table.add_column("error", overflow="fold")
+    errors = any(r["error"] for r in rows)
+    if errors:
+        table.add_column("error", overflow="fold")
     styles = {"succeeded": "green", "released": "cyan", "error": "bold red"}
     for r in rows:
-        table.add_row(
+        cells = [
             r["key"][:width],
             Text(r["tool"]),
             Text(r["result"], style=styles.get(r["result"], "")),
-            Text(r["error"] or ""),
-        )
+        ]
+        if errors:
+            cells.append(Text(r["error"] or ""))
+        table.add_row(*cells)
     console = Console(highlight=False)
     console.print(table)
     what = "would ask about" if dry_run else "asked about"
