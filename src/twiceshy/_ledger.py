@@ -24,12 +24,13 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from contextvars import Token
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, BoundCall
 from ._codec import MAX_RESULT_BYTES, ResultCodec
-from ._inflight import Flights, Heartbeat
+from ._inflight import Flight, Flights, Heartbeat, Renewal
 from ._protocol import (
     CallPlan,
     Claim,
@@ -313,6 +314,27 @@ class Guard:
         ledger = self._ledger
         return CallPlan(self.policy, ledger.namespace, key, fingerprint, ledger._owner_token())
 
+    def _join(self, plan: CallPlan, seen: _Seen) -> tuple[Flight, bool]:
+        """This process's flight of the intent, and whether this call leads it."""
+        seen.key = plan.key
+        flight, leader = self._ledger._flights.join(plan.namespace, plan.key, plan.fingerprint)
+        if not leader:
+            seen.outcome = Outcome.JOINED
+            if flight.fingerprint != plan.fingerprint:
+                raise _mismatch(plan)
+        return flight, leader
+
+    def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Token[Current | None]]:
+        """Start renewing the lease and make the call current, before the work runs."""
+        job = self._ledger._heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+        )
+        return job, set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+
+    def _leave(self, job: Renewal, token: Token[Current | None]) -> None:
+        reset_call(token)
+        self._ledger._heartbeat.stop(job)
+
     # -- the blocking driver ---------------------------------------------------------------
 
     def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
@@ -336,13 +358,9 @@ class Guard:
         if not self.recorded:
             return self._drive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
-        seen.key = plan.key
         flights = self._ledger._flights
-        flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
+        flight, leader = self._join(plan, seen)
         if not leader:
-            seen.outcome = Outcome.JOINED
-            if flight.fingerprint != plan.fingerprint:
-                raise _mismatch(plan)
             if not flight.wait(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
             return flight.outcome()
@@ -357,7 +375,7 @@ class Guard:
     def _drive(
         self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
-        store, ns = self._ledger.store, self._ledger.namespace
+        store = self._ledger.store
         answer: Any = None
         while True:
             try:
@@ -376,20 +394,9 @@ class Guard:
                     raise AssertionError(command)
                 time.sleep(command.seconds)
                 answer = None
-            elif isinstance(command, Claim):
-                answer = store.claim(
-                    ns,
-                    plan.key,
-                    fingerprint=plan.fingerprint,
-                    tool=plan.policy.tool,
-                    effect=plan.policy.effect,
-                    owner=plan.owner,
-                    lease=plan.policy.lease,
-                )
-            elif isinstance(command, Write):
-                answer = store.write(ns, plan.key, command.change)
-            elif isinstance(command, Wait):
-                answer = store.wait(ns, plan.key, command.fence, command.timeout)
+            elif isinstance(command, Claim | Write | Wait):
+                name, args, kwargs = _store_call(command, plan)
+                answer = getattr(store, name)(*args, **kwargs)
             elif isinstance(command, Sleep):
                 time.sleep(command.seconds)
                 answer = None
@@ -410,18 +417,13 @@ class Guard:
                 return Ran(value=work(""))
             except Exception as exc:
                 return Ran(error=exc)
-        heartbeat = self._ledger._heartbeat
-        job = heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
-        )
-        token = set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+        job, token = self._enter(plan, command)
         try:
             value = work(plan.key)
         except Exception as exc:
             return Ran(error=exc, renewed_at=job.renewed_at)
         finally:
-            reset_call(token)
-            heartbeat.stop(job)
+            self._leave(job, token)
         return Ran(value=value, renewed_at=job.renewed_at)
 
     # -- the async driver ------------------------------------------------------------------
@@ -449,13 +451,9 @@ class Guard:
         if not self.recorded:
             return await self._adrive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
-        seen.key = plan.key
         flights = self._ledger._flights
-        flight, leader = flights.join(plan.namespace, plan.key, plan.fingerprint)
+        flight, leader = self._join(plan, seen)
         if not leader:
-            seen.outcome = Outcome.JOINED
-            if flight.fingerprint != plan.fingerprint:
-                raise _mismatch(plan)
             if not await flight.wait_async(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
             return flight.outcome()
@@ -470,7 +468,7 @@ class Guard:
     async def _adrive(
         self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
-        store, ns = self._ledger.async_store, self._ledger.namespace
+        store = self._ledger.async_store
         answer: Any = None
         while True:
             try:
@@ -489,20 +487,9 @@ class Guard:
                     raise AssertionError(command)
                 await asyncio.sleep(command.seconds)
                 answer = None
-            elif isinstance(command, Claim):
-                answer = await store.claim(
-                    ns,
-                    plan.key,
-                    fingerprint=plan.fingerprint,
-                    tool=plan.policy.tool,
-                    effect=plan.policy.effect,
-                    owner=plan.owner,
-                    lease=plan.policy.lease,
-                )
-            elif isinstance(command, Write):
-                answer = await store.write(ns, plan.key, command.change)
-            elif isinstance(command, Wait):
-                answer = await store.wait(ns, plan.key, command.fence, command.timeout)
+            elif isinstance(command, Claim | Write | Wait):
+                name, args, kwargs = _store_call(command, plan)
+                answer = await getattr(store, name)(*args, **kwargs)
             elif isinstance(command, Sleep):
                 await asyncio.sleep(command.seconds)
                 answer = None
@@ -524,19 +511,34 @@ class Guard:
                 return Ran(value=await work(""))
             except Exception as exc:
                 return Ran(error=exc)
-        heartbeat = self._ledger._heartbeat
-        job = heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
-        )
-        token = set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+        job, token = self._enter(plan, command)
         try:
             value = await work(plan.key)
         except Exception as exc:
             return Ran(error=exc, renewed_at=job.renewed_at)
         finally:
-            reset_call(token)
-            heartbeat.stop(job)
+            self._leave(job, token)
         return Ran(value=value, renewed_at=job.renewed_at)
+
+
+def _store_call(
+    command: Claim | Write | Wait, plan: CallPlan
+) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The store method, and its arguments, that carry out a store command (sync or async)."""
+    ns, key = plan.namespace, plan.key
+    if isinstance(command, Claim):
+        policy = plan.policy
+        options = {
+            "fingerprint": plan.fingerprint,
+            "tool": policy.tool,
+            "effect": policy.effect,
+            "owner": plan.owner,
+            "lease": policy.lease,
+        }
+        return "claim", (ns, key), options
+    if isinstance(command, Write):
+        return "write", (ns, key, command.change), {}
+    return "wait", (ns, key, command.fence, command.timeout), {}
 
 
 def _mismatch(plan: CallPlan) -> KeyReuseMismatch:
