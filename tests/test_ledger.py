@@ -941,3 +941,38 @@ def test_with_errors_extends_a_guard(ledger: twiceshy.Ledger) -> None:
         base.call({"n": 2}, decline, scope="run-33")
     assert runs == ["refused", "declined", "declined"]
     assert base.policy.definite == ()
+
+
+def test_unsafe_owner_finishing_late_resolves_the_doubt(store: Store, clock: Any) -> None:
+    """An UNSAFE owner whose lapsed lease was marked UNKNOWN records its outcome when it ends."""
+    first, second = twiceshy.Ledger(store=store), twiceshy.Ledger(store=store)
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def body(who: str) -> str:
+        runs.append(who)
+        if who == "late":
+            started.set()
+            release.wait(5)
+        return f"sent by {who}"
+
+    late = first.tool(effect=twiceshy.UNSAFE, name="wire", lease=30)(lambda: body("late"))
+    other = second.tool(effect=twiceshy.UNSAFE, name="wire", lease=30)(lambda: body("other"))
+    out: list[str] = []
+
+    def run_late() -> None:
+        with twiceshy.run("run-34"):
+            out.append(late())
+
+    thread = threading.Thread(target=run_late)
+    thread.start()
+    assert started.wait(5)
+    clock.advance(31)  # the owner's lease lapses on the store's clock
+    with twiceshy.run("run-34"), pytest.raises(twiceshy.OutcomeUnknown):
+        other()
+    release.set()
+    thread.join(5)
+    assert out == ["sent by late"]
+    with twiceshy.run("run-34"):
+        assert other() == "sent by late"
+    assert runs == ["late"]

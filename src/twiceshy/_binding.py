@@ -44,7 +44,7 @@ class BoundCall:
         explicit_key: str | None = None,
     ) -> BoundCall:
         """A call given by its arguments' mapping, narrowed by ``key_args`` / ``ignore_args``."""
-        full = dict(arguments)
+        full = arguments if type(arguments) is dict else dict(arguments)
         if key_args is not None:
             keyed = {k: v for k, v in full.items() if k in key_args}
         elif ignore_args:
@@ -84,8 +84,8 @@ class Binder:
         key_param: the parameter through which the key is injected (and may be passed
             explicitly), or ``None``.
         inject: other parameters the framework fills in, left out of the key.
-        key_args: when given, only these parameters name the intent.
-        ignore_args: parameters left out of the intent (volatile ones: a timestamp, a trace id).
+        key_args: checked to name parameters of the tool (the guard narrows the key by them).
+        ignore_args: checked likewise.
 
     Raises:
         ValueError: ``key_args`` or ``ignore_args`` name parameters the tool does not have, or
@@ -95,10 +95,8 @@ class Binder:
     __slots__ = (
         "_count",
         "_defaults",
-        "_ignored",
         "_injected",
         "_key_param",
-        "_keyed",
         "_positional",
         "_signature",
         "_simple",
@@ -125,8 +123,6 @@ class Binder:
         self._injected = frozenset(inject) | (
             {self._key_param} if self._key_param is not None else frozenset()
         )
-        self._keyed = frozenset(key_args) if key_args is not None else None
-        self._ignored = frozenset(ignore_args)
         params = list(self._signature.parameters.values())
         plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         # Most tools take plain named parameters: bind those without inspect's general machinery.
@@ -142,8 +138,10 @@ class Binder:
         """The parameter the key is injected through, if the tool has one."""
         return self._key_param
 
-    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> BoundCall:
-        """Bind one call.
+    def bind(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], str | None]:
+        """Bind one call: its arguments by name (injected ones left out), and an explicit key.
 
         Raises:
             TypeError: the arguments do not fit the signature.
@@ -167,11 +165,7 @@ class Binder:
             kind = self._signature.parameters[name].kind
             # A tuple of *args is a list to the key; **kwargs stays one nested mapping.
             arguments[name] = list(value) if kind is inspect.Parameter.VAR_POSITIONAL else value
-        if self._keyed is None and not self._ignored:
-            return BoundCall(arguments, arguments, explicit)
-        return BoundCall.of(
-            arguments, key_args=self._keyed, ignore_args=self._ignored, explicit_key=explicit
-        )
+        return arguments, explicit
 
     def _bind_simple(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]

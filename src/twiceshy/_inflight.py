@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._records import Change, State
+from ._protocol import renewal
 from .errors import StoreError
 from .stores import Store
 
@@ -120,7 +120,6 @@ class Renewal:
     owner: str
     lease: float
     due: float
-    renewed_at: float | None = None
     lost: bool = False
     stopped: bool = False
     seq: int = field(default=0)
@@ -184,22 +183,14 @@ class Heartbeat:
                     heapq.heappush(self._heap, (job.due, next(self._seq), job))
 
     def _renew(self, job: Renewal) -> None:
-        sent = time.monotonic()
-        change = Change(
-            fence=job.fence,
-            from_states=frozenset({State.CLAIMED}),
-            to=State.CLAIMED,
-            owner=job.owner,
-            lease=job.lease,
-        )
         try:
-            snap = self._store.write(job.namespace, job.key, change)
+            snap = self._store.write(
+                job.namespace, job.key, renewal(job.fence, job.owner, job.lease)
+            )
         except StoreError:
             log.warning("twiceshy: could not renew the lease of key %s", job.key, exc_info=True)
             return
-        if snap.won:
-            job.renewed_at = sent
-        else:
+        if not snap.won:
             job.lost = True
             log.warning(
                 "twiceshy: the lease of key %s was taken over (fence %d)", job.key, job.fence

@@ -85,11 +85,12 @@ Observer = Callable[[CallEvent], None]
 
 
 class _Seen:
-    """What one call's drive learned, for its event: the key and the protocol's last note."""
+    """What one call's drive learned, for its event: when it began, its key, the last note."""
 
-    __slots__ = ("key", "outcome")
+    __slots__ = ("clock", "key", "outcome")
 
     def __init__(self) -> None:
+        self.clock = time.perf_counter()
         self.key: str | None = None
         self.outcome = Outcome.EXECUTED
 
@@ -338,20 +339,13 @@ class Guard:
     # -- the blocking driver ---------------------------------------------------------------
 
     def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
-        if not self._ledger._observed():
-            seen, clock = _Seen(), time.perf_counter()
-            try:
-                return self._execute_once(bound, work, scope, seen)
-            except OutcomeUnknown as exc:  # always worth a warning, observed or not
-                self._ledger._tell_late(self, seen, exc, clock)
-                raise
-        seen, started, clock = _Seen(), time.time(), time.perf_counter()
+        seen = _Seen()
         try:
             value = self._execute_once(bound, work, scope, seen)
         except BaseException as exc:
-            self._ledger._tell(self, seen, exc, started, time.perf_counter() - clock)
+            self._ledger._answered(self, seen, exc)
             raise
-        self._ledger._tell(self, seen, None, started, time.perf_counter() - clock)
+        self._ledger._answered(self, seen, None)
         return value
 
     def _execute_once(self, bound: BoundCall, work: _Work, scope: str | None, seen: _Seen) -> Any:
@@ -421,28 +415,21 @@ class Guard:
         try:
             value = work(plan.key)
         except Exception as exc:
-            return Ran(error=exc, renewed_at=job.renewed_at)
+            return Ran(error=exc)
         finally:
             self._leave(job, token)
-        return Ran(value=value, renewed_at=job.renewed_at)
+        return Ran(value=value)
 
     # -- the async driver ------------------------------------------------------------------
 
     async def _aexecute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
-        if not self._ledger._observed():
-            seen, clock = _Seen(), time.perf_counter()
-            try:
-                return await self._aexecute_once(bound, work, scope, seen)
-            except OutcomeUnknown as exc:  # always worth a warning, observed or not
-                self._ledger._tell_late(self, seen, exc, clock)
-                raise
-        seen, started, clock = _Seen(), time.time(), time.perf_counter()
+        seen = _Seen()
         try:
             value = await self._aexecute_once(bound, work, scope, seen)
         except BaseException as exc:
-            self._ledger._tell(self, seen, exc, started, time.perf_counter() - clock)
+            self._ledger._answered(self, seen, exc)
             raise
-        self._ledger._tell(self, seen, None, started, time.perf_counter() - clock)
+        self._ledger._answered(self, seen, None)
         return value
 
     async def _aexecute_once(
@@ -515,10 +502,10 @@ class Guard:
         try:
             value = await work(plan.key)
         except Exception as exc:
-            return Ran(error=exc, renewed_at=job.renewed_at)
+            return Ran(error=exc)
         finally:
             self._leave(job, token)
-        return Ran(value=value, renewed_at=job.renewed_at)
+        return Ran(value=value)
 
 
 def _store_call(
@@ -605,13 +592,14 @@ class Ledger:
         """
         self._observers = (*self._observers, observer)
 
-    def _observed(self) -> bool:
-        return bool(self._observers) or log.isEnabledFor(logging.DEBUG)
+    def _answered(self, guard: Guard, seen: _Seen, error: BaseException | None) -> None:
+        """A call was answered: tell observers and the log when anyone listens.
 
-    def _tell_late(self, guard: Guard, seen: _Seen, error: BaseException, clock: float) -> None:
-        """Tell of a call that was not observed from its start (an unknown outcome's warning)."""
-        duration = time.perf_counter() - clock
-        self._tell(guard, seen, error, time.time() - duration, duration)
+        An unknown outcome is always worth a warning, observed or not.
+        """
+        if self._observers or log.isEnabledFor(logging.DEBUG) or isinstance(error, OutcomeUnknown):
+            duration = time.perf_counter() - seen.clock
+            self._tell(guard, seen, error, time.time() - duration, duration)
 
     def _tell(
         self,
@@ -808,6 +796,8 @@ class Ledger:
                 lease=lease,
                 wait=wait,
                 ttl=ttl,
+                key_args=key_args,
+                ignore_args=ignore_args,
                 definite=definite,
                 not_applied=not_applied,
                 attempts=attempts,
@@ -831,7 +821,8 @@ class Ledger:
 def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable[..., Any]:
     @functools.wraps(fn)
     def protected(*args: Any, **kwargs: Any) -> Any:
-        bound = binder.bind(args, kwargs)
+        arguments, explicit = binder.bind(args, kwargs)
+        bound = guard.bind(arguments, key=explicit)
 
         def work(key: str) -> Any:
             call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
@@ -847,7 +838,8 @@ def _async_tool(
 ) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def protected(*args: Any, **kwargs: Any) -> Any:
-        bound = binder.bind(args, kwargs)
+        arguments, explicit = binder.bind(args, kwargs)
+        bound = guard.bind(arguments, key=explicit)
 
         def work(key: str) -> Awaitable[Any]:
             call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)

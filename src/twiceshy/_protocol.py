@@ -47,6 +47,7 @@ __all__ = [
     "Write",
     "exponential_backoff",
     "protect",
+    "renewal",
     "retry_only",
     "settle",
 ]
@@ -92,6 +93,13 @@ def _change(
         if actor not in TRANSITIONS.get((source, to), frozenset()):
             raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
     return Change(fence=record.fence, from_states=sources, to=to, **kw)
+
+
+def renewal(fence: int, owner: str, lease: float) -> Change:
+    """The heartbeat's write: the owner of ``fence`` moves its lease deadline to now + ``lease``."""
+    if Actor.OWNER not in TRANSITIONS[(_C, _C)]:  # pragma: no cover - the table allows it
+        raise AssertionError("the owner may not renew its lease")
+    return Change(fence=fence, from_states=frozenset({_C}), to=_C, owner=owner, lease=lease)
 
 
 # -- commands the protocol yields, and their answers -------------------------------------------
@@ -144,12 +152,10 @@ class Ran:
     Attributes:
         value: what the tool returned.
         error: what it raised (an ``Exception``), or ``None``.
-        renewed_at: the monotonic time a heartbeat last renewed the lease, if one did.
     """
 
     value: object = None
     error: Exception | None = None
-    renewed_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
