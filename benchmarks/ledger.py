@@ -5,15 +5,19 @@
 A *first call* claims the key, runs the tool and records the outcome; a *replay* is a retry of an
 intent already recorded. The floor is raw ``sqlite3`` doing the same transactions on the same
 kind of file, with the ledger's own table and indexes and the same durability settings (journal
-mode and ``synchronous``): two write
-transactions (insert the claim; update it with the outcome) for a first call, one read by primary
-key for a replay. The tool itself does nothing, so what is measured is twiceshy's own cost.
-Medians of per-call times; the machine is shared, so compare ratios within one run.
+mode and ``synchronous``), writing the same rows (SHA-256 keys and fingerprints, owner tokens, the
+result's JSON): two write transactions (insert the claim; update it with the outcome) for a first
+call, one read by primary key for a replay. The tool itself does nothing, so what is measured is
+twiceshy's own cost. Medians of per-call times; the machine is shared, so compare ratios within
+one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import sqlite3
 import statistics
 import tempfile
@@ -39,6 +43,10 @@ def median_us(times: list[int]) -> float:
     return statistics.median(times) / 1000
 
 
+SYNC = "FULL"
+RESULT = {"id": "ch_1", "amount": 4900, "customer": "cus_1"}
+"""What the benchmarked tool returns, and what the floor stores as its result."""
+
 Case = tuple[Callable[[int], object], Callable[[int], object], Callable[[], None]]
 
 
@@ -48,7 +56,7 @@ def protected(url: str) -> Case:
 
     @ledger.tool(effect=twiceshy.KEYED)
     def charge(amount: int, customer: str) -> dict[str, object]:
-        return {"id": "ch_1", "amount": amount, "customer": customer}
+        return dict(RESULT)
 
     prefix = f"bench-{time.time_ns()}"
     counter = iter(range(10**9))
@@ -72,11 +80,11 @@ def floor(path: Path, journal_mode: str) -> Case:
     """(two write transactions, one read, close) of raw sqlite3 at the same settings."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute(f"PRAGMA journal_mode = {journal_mode}")
-    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute(f"PRAGMA synchronous = {SYNC}")
     for statement in SCHEMA:  # the ledger's own table and indexes
         conn.execute(statement)
     insert = (
-        "INSERT INTO twiceshy_records VALUES (?, ?, 'f', 't', 'keyed', 'claimed', 1, 'o', ?, 1, "
+        "INSERT INTO twiceshy_records VALUES (?, ?, ?, 'charge', 'keyed', 'claimed', 1, ?, ?, 1, "
         "NULL, NULL, NULL, ?, ?, NULL)"
     )
     update = (
@@ -87,21 +95,27 @@ def floor(path: Path, journal_mode: str) -> Case:
     read = "SELECT * FROM twiceshy_records WHERE namespace = '' AND key = ?"
     prefix = f"{time.time_ns()}"
     counter = iter(range(10**9))
+    result = json.dumps(RESULT, separators=(",", ":"))
 
     def two_transactions(i: int) -> None:
-        key = f"{prefix}-{next(counter)}"
+        # The rows the ledger writes: a SHA-256 key and fingerprint (keys land all over the
+        # table, as real intents do), an owner token of the ledger's shape, the result's JSON.
+        n = next(counter)
+        key = hashlib.sha256(f"{prefix}:charge:{n}".encode()).hexdigest()
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()
+        owner = f"{prefix[:16]}.{os.getpid()}.{n}"
         now = time.time()
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute(insert, ("", key, now + 30, now, now))
+        conn.execute(insert, ("", key, fingerprint, owner, now + 30, now, now))
         conn.execute(read, (key,)).fetchone()
         conn.execute("COMMIT")
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute(update, ('{"id":"ch_1"}', now, now + 86400, key))
+        conn.execute(update, (result, now, now + 86400, key))
         conn.execute(read, (key,)).fetchone()
         conn.execute("COMMIT")
 
     conn.execute("BEGIN IMMEDIATE")
-    conn.execute(insert, ("", "replayed", 0, 0, 0))
+    conn.execute(insert, ("", "replayed", "f", "o", 0, 0, 0))
     conn.execute("COMMIT")
 
     def one_read(i: int) -> object:

@@ -9,6 +9,7 @@ as that type.
 from __future__ import annotations
 
 import base64
+import collections.abc
 import dataclasses
 import datetime as dt
 import enum
@@ -17,7 +18,7 @@ import json
 import types
 import typing
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -59,16 +60,19 @@ def _to_json(value: Any) -> Any:
 class ResultCodec:
     """Encodes a tool's results and rebuilds them as its annotated return type.
 
+    The annotation is read once, into a rebuilder; an annotation that JSON's own types already
+    satisfy (``dict[str, object]``, ``list[str]``, none at all) needs no rebuilding, and a replay
+    then costs one ``json.loads``.
+
     Args:
         annotation: the tool's return annotation (``inspect.Signature.empty`` or ``None`` for none).
         max_bytes: the bound on the stored text.
     """
 
-    __slots__ = ("_annotation", "_max_bytes")
+    __slots__ = ("_max_bytes", "_rebuild")
 
     def __init__(self, annotation: Any = None, *, max_bytes: int = MAX_RESULT_BYTES) -> None:
-        # JSON's own types come back from json.loads as they are: nothing to rebuild.
-        self._annotation = None if annotation in _AS_IS else annotation
+        self._rebuild = _rebuilder(annotation)
         self._max_bytes = max_bytes
 
     def encode(self, value: object) -> str:
@@ -100,72 +104,137 @@ class ResultCodec:
     def decode(self, text: str) -> Any:
         """The replayed result: the stored JSON, rebuilt as the annotated type where it can be."""
         data = json.loads(text)
-        if self._annotation is None:
+        if self._rebuild is None:
             return data
         try:
-            return _rebuild(data, self._annotation)
+            return self._rebuild(data)
         except (TypeError, ValueError, KeyError):
             return data
 
 
-def _rebuild(data: Any, hint: Any) -> Any:
-    """``data`` rebuilt as ``hint`` where the type says how; otherwise ``data`` as it is."""
-    if hint is Any or hint is None or hint is type(None) or isinstance(hint, str):
-        return data
+Rebuild = Callable[[Any], Any]
+"""Rebuilds decoded JSON as one type; ``None`` stands for "the data is that type already"."""
+
+
+def _rebuilder(hint: Any) -> Rebuild | None:
+    """How to rebuild decoded JSON as ``hint``, worked out once per annotation."""
+    try:
+        if hint in _AS_IS:
+            return None
+    except TypeError:  # an unhashable annotation: not one of JSON's own types
+        pass
+    if isinstance(hint, str | typing.ForwardRef | typing.TypeVar):
+        return None
     origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
     if origin is typing.Annotated:
-        return _rebuild(data, typing.get_args(hint)[0])
+        return _rebuilder(args[0])
     if origin is typing.Union or origin is types.UnionType:
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if data is None or len(options) != 1:
-            return data
-        return _rebuild(data, options[0])
-    if origin in (list, typing.Sequence, set, frozenset) or origin is tuple:
-        args = typing.get_args(hint)
-        if not isinstance(data, list):
-            return data
-        if origin is tuple:
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(_rebuild(v, args[0]) for v in data)
-            if args and len(args) == len(data):
-                return tuple(_rebuild(v, a) for v, a in zip(data, args, strict=True))
-            return tuple(data)
-        item = args[0] if args else Any
-        items = [_rebuild(v, item) for v in data]
-        return origin(items) if origin in (set, frozenset) else items
-    if origin in (dict, typing.Mapping):
-        args = typing.get_args(hint)
-        if not isinstance(data, dict) or len(args) != 2:
-            return data
-        return {k: _rebuild(v, args[1]) for k, v in data.items()}
+        options = [a for a in args if a is not type(None)]
+        inner = _rebuilder(options[0]) if len(options) == 1 else None
+        return None if inner is None else _optional(inner)
+    if origin is tuple or hint is tuple:
+        return _tuple_rebuilder(args)
+    if origin in (set, frozenset):
+        return _collected(origin, _rebuilder(args[0]) if args else None)
+    if origin in (list, typing.Sequence, collections.abc.Sequence):
+        inner = _rebuilder(args[0]) if args else None
+        return None if inner is None else _listed(inner)
+    if origin in (dict, typing.Mapping, collections.abc.Mapping):
+        inner = _rebuilder(args[1]) if len(args) == 2 else None
+        return None if inner is None else _valued(inner)
     if not isinstance(hint, type):
-        return data
+        return None
     validate = getattr(hint, "model_validate", None)
     if callable(validate) and hasattr(hint, "model_fields"):
-        return validate(data)
-    if dataclasses.is_dataclass(hint) and isinstance(data, dict):
-        hints = typing.get_type_hints(hint)
-        fields = {
-            f.name: _rebuild(data[f.name], hints.get(f.name, Any))
-            for f in dataclasses.fields(hint)
-            if f.init and f.name in data
-        }
-        return hint(**fields)
+        return validate  # type: ignore[no-any-return]
+    if dataclasses.is_dataclass(hint):
+        return _dataclass_rebuilder(hint)
     if issubclass(hint, enum.Enum):
-        return hint(data)
-    if hint is dt.datetime and isinstance(data, str):
-        return dt.datetime.fromisoformat(data)
-    if hint is dt.date and isinstance(data, str):
-        return dt.date.fromisoformat(data)
-    if hint is Decimal and isinstance(data, str):
-        return Decimal(data)
-    if hint is uuid.UUID and isinstance(data, str):
-        return uuid.UUID(data)
-    if hint is bytes and isinstance(data, str):
-        return base64.b64decode(data)
-    if hint is float and isinstance(data, int) and not isinstance(data, bool):
-        return float(data)
+        return hint
+    if hint is float:
+        return lambda data: float(data) if type(data) is int else data
+    parse = _FROM_TEXT.get(hint)
+    if parse is not None:
+        return lambda data: parse(data) if type(data) is str else data
+    return None
+
+
+_FROM_TEXT: dict[type, Rebuild] = {
+    dt.datetime: dt.datetime.fromisoformat,
+    dt.date: dt.date.fromisoformat,
+    Decimal: Decimal,
+    uuid.UUID: uuid.UUID,
+    bytes: base64.b64decode,
+}
+
+
+def _optional(inner: Rebuild) -> Rebuild:
+    return lambda data: None if data is None else inner(data)
+
+
+def _listed(inner: Rebuild) -> Rebuild:
+    return lambda data: [inner(v) for v in data] if type(data) is list else data
+
+
+def _valued(inner: Rebuild) -> Rebuild:
+    return lambda data: {k: inner(v) for k, v in data.items()} if type(data) is dict else data
+
+
+def _collected(make: Callable[[Any], Any], inner: Rebuild | None) -> Rebuild:
+    if inner is None:
+        return lambda data: make(data) if type(data) is list else data
+    return lambda data: make(map(inner, data)) if type(data) is list else data
+
+
+def _tuple_rebuilder(args: tuple[Any, ...]) -> Rebuild:
+    if len(args) == 2 and args[1] is Ellipsis:
+        inner = _rebuilder(args[0])
+        if inner is None:
+            return lambda data: tuple(data) if type(data) is list else data
+        return lambda data: tuple(map(inner, data)) if type(data) is list else data
+    parts = [_rebuilder(a) or _same for a in args]
+
+    def rebuild(data: Any) -> Any:
+        if type(data) is not list:
+            return data
+        if parts and len(parts) == len(data):
+            return tuple(part(v) for part, v in zip(parts, data, strict=True))
+        return tuple(data)
+
+    return rebuild
+
+
+def _same(data: Any) -> Any:
     return data
+
+
+def _dataclass_rebuilder(cls: type) -> Rebuild:
+    # The fields' annotations may name types defined after the tool: read them at first use.
+    fields: list[tuple[str, Rebuild | None]] | None = None
+
+    def rebuild(data: Any) -> Any:
+        nonlocal fields
+        if type(data) is not dict:
+            return data
+        if fields is None:
+            try:
+                hints = typing.get_type_hints(cls, include_extras=True)
+            except Exception:
+                hints = {}
+            fields = [
+                (f.name, _rebuilder(hints.get(f.name, Any)))
+                for f in dataclasses.fields(cls)
+                if f.init
+            ]
+        values = {
+            name: data[name] if part is None else part(data[name])
+            for name, part in fields
+            if name in data
+        }
+        return cls(**values)
+
+    return rebuild
 
 
 def encode_error(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from .errors import StoreError
 from .stores import Store
 
 __all__ = ["Flight", "Flights", "Heartbeat", "Renewal"]
+
+_IDLE = 5.0  # seconds without leases to renew before the heartbeat thread ends
 
 log = logging.getLogger("twiceshy")
 
@@ -139,6 +142,10 @@ class Heartbeat:
         self._heap: list[tuple[float, int, Renewal]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        # When the loop wakes by itself next (monotonic); -inf while it is awake. A new lease
+        # due later than that needs no wake-up: most calls end long before their first renewal,
+        # and waking the thread for each of them costs a thread switch per call.
+        self._wake_at = -math.inf
 
     def start(self, namespace: str, key: str, fence: int, owner: str, lease: float) -> Renewal:
         """Begin renewing a lease."""
@@ -151,7 +158,7 @@ class Heartbeat:
                     target=self._loop, name="twiceshy-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is job:
+            elif job.due < self._wake_at:
                 self._cond.notify()
         return job
 
@@ -166,14 +173,19 @@ class Heartbeat:
                     heapq.heappop(self._heap)
                 if not self._heap:
                     # Idle: wait a while for work, then let the thread end.
-                    if not self._cond.wait(5.0) and not self._heap:
+                    self._wake_at = time.monotonic() + _IDLE
+                    woken = self._cond.wait(_IDLE)
+                    self._wake_at = -math.inf
+                    if not woken and not self._heap:
                         self._thread = None
                         return
                     continue
                 due, _, job = self._heap[0]
                 left = due - time.monotonic()
                 if left > 0:
+                    self._wake_at = due
                     self._cond.wait(left)
+                    self._wake_at = -math.inf
                     continue
                 heapq.heappop(self._heap)
             self._renew(job)

@@ -34,6 +34,7 @@ from ._inflight import Flight, Flights, Heartbeat, Renewal
 from ._protocol import (
     CallPlan,
     Claim,
+    Command,
     Note,
     Now,
     Policy,
@@ -376,25 +377,22 @@ class Guard:
                 command = protocol.send(answer)
             except StopIteration as stop:
                 return stop.value
-            if isinstance(command, Now):
+            kind = type(command)
+            if kind is Claim or kind is Write or kind is Wait:
+                assert plan is not None  # an unrecorded call only runs and sleeps
+                answer = _store_op(store, command, plan)
+            elif kind is Run:
+                seen.outcome = Outcome.EXECUTED
+                answer = self._run(work, plan, cast("Run", command))
+            elif kind is Note:
+                seen.outcome = cast("Note", command).outcome
+                answer = None
+            elif kind is Now:
                 answer = time.monotonic()
-            elif isinstance(command, Note):
-                seen.outcome = command.outcome
+            elif kind is Sleep:
+                time.sleep(cast("Sleep", command).seconds)
                 answer = None
-            elif isinstance(command, Run):
-                answer = self._run(work, plan, command)
-            elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
-                if not isinstance(command, Sleep):
-                    raise AssertionError(command)
-                time.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Claim | Write | Wait):
-                name, args, kwargs = _store_call(command, plan)
-                answer = getattr(store, name)(*args, **kwargs)
-            elif isinstance(command, Sleep):
-                time.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Reconcile):
+            elif kind is Reconcile and plan is not None:
                 assert self._reconcile is not None
                 answer = _reconciled(self._reconcile, plan.key, bound.arguments)
                 if inspect.isawaitable(answer):
@@ -462,25 +460,22 @@ class Guard:
                 command = protocol.send(answer)
             except StopIteration as stop:
                 return stop.value
-            if isinstance(command, Now):
+            kind = type(command)
+            if kind is Claim or kind is Write or kind is Wait:
+                assert plan is not None  # an unrecorded call only runs and sleeps
+                answer = await _store_op(store, command, plan)
+            elif kind is Run:
+                seen.outcome = Outcome.EXECUTED
+                answer = await self._arun(work, plan, cast("Run", command))
+            elif kind is Note:
+                seen.outcome = cast("Note", command).outcome
+                answer = None
+            elif kind is Now:
                 answer = time.monotonic()
-            elif isinstance(command, Note):
-                seen.outcome = command.outcome
+            elif kind is Sleep:
+                await asyncio.sleep(cast("Sleep", command).seconds)
                 answer = None
-            elif isinstance(command, Run):
-                answer = await self._arun(work, plan, command)
-            elif plan is None:  # pragma: no cover - an unrecorded call only runs and sleeps
-                if not isinstance(command, Sleep):
-                    raise AssertionError(command)
-                await asyncio.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Claim | Write | Wait):
-                name, args, kwargs = _store_call(command, plan)
-                answer = await getattr(store, name)(*args, **kwargs)
-            elif isinstance(command, Sleep):
-                await asyncio.sleep(command.seconds)
-                answer = None
-            elif isinstance(command, Reconcile):
+            elif kind is Reconcile and plan is not None:
                 assert self._reconcile is not None
                 answer = _reconciled(self._reconcile, plan.key, bound.arguments)
                 if inspect.isawaitable(answer):
@@ -508,24 +503,23 @@ class Guard:
         return Ran(value=value)
 
 
-def _store_call(
-    command: Claim | Write | Wait, plan: CallPlan
-) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    """The store method, and its arguments, that carry out a store command (sync or async)."""
-    ns, key = plan.namespace, plan.key
-    if isinstance(command, Claim):
+def _store_op(store: Store | AsyncStore, command: Command, plan: CallPlan) -> Any:
+    """Carry out a store command: the store's answer, or for an async store its awaitable."""
+    if type(command) is Write:
+        return store.write(plan.namespace, plan.key, command.change)
+    if type(command) is Claim:
         policy = plan.policy
-        options = {
-            "fingerprint": plan.fingerprint,
-            "tool": policy.tool,
-            "effect": policy.effect,
-            "owner": plan.owner,
-            "lease": policy.lease,
-        }
-        return "claim", (ns, key), options
-    if isinstance(command, Write):
-        return "write", (ns, key, command.change), {}
-    return "wait", (ns, key, command.fence, command.timeout), {}
+        return store.claim(
+            plan.namespace,
+            plan.key,
+            fingerprint=plan.fingerprint,
+            tool=policy.tool,
+            effect=policy.effect,
+            owner=plan.owner,
+            lease=policy.lease,
+        )
+    assert type(command) is Wait
+    return store.wait(plan.namespace, plan.key, command.fence, command.timeout)
 
 
 def _mismatch(plan: CallPlan) -> KeyReuseMismatch:

@@ -34,6 +34,7 @@ __all__ = [
     "Actor",
     "CallPlan",
     "Claim",
+    "Command",
     "DidNotHappen",
     "Happened",
     "Note",
@@ -88,11 +89,15 @@ def _change(
     actor: Actor, record: Record, to: State, *, also_from: frozenset[State] = frozenset(), **kw: Any
 ) -> Change:
     """A guarded write of ``record`` to ``to`` by ``actor``, checked against the table."""
-    sources = frozenset({record.state}) | also_from
+    sources = _ONLY[record.state] | also_from if also_from else _ONLY[record.state]
     for source in sources:
-        if actor not in TRANSITIONS.get((source, to), frozenset()):
+        if actor not in TRANSITIONS.get((source, to), _NOBODY):
             raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
     return Change(fence=record.fence, from_states=sources, to=to, **kw)
+
+
+_ONLY: Final = {state: frozenset({state}) for state in State}
+_NOBODY: Final[frozenset[Actor]] = frozenset()
 
 
 def renewal(fence: int, owner: str, lease: float) -> Change:
@@ -139,7 +144,10 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`)."""
+    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
+
+    A call that runs the tool is answered as :attr:`Outcome.EXECUTED`, whatever it noted before.
+    """
 
     fence: int
     attempt: int
@@ -281,8 +289,7 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
 
 def protect(plan: CallPlan) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error."""
-    started = yield Now()
-    wait_until = started + plan.policy.wait
+    wait_until: float | None = None  # set when the call first finds the intent running
     snap: Snapshot = yield Claim()
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
@@ -336,6 +343,8 @@ def protect(plan: CallPlan) -> Protocol:
                 )
                 continue
             now = yield Now()
+            if wait_until is None:
+                wait_until = now + plan.policy.wait
             left = wait_until - now
             if left <= 0:
                 raise InProgress(plan.policy.tool, plan.key)
@@ -369,8 +378,6 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
     while True:
-        if attempt == 1:
-            yield Note(Outcome.EXECUTED)
         ran: Ran = yield Run(record.fence, attempt)
         error = ran.error
         if error is None:

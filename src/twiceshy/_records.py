@@ -31,6 +31,10 @@ class Effect(enum.Enum):
     #: Never retry blindly: one attempt, then an honest error.
     UNSAFE = "unsafe"
 
+    # Members are singletons: hashing by identity is exact, and much cheaper than Enum's own
+    # hash of the name, which every call pays in the protocol's sets and tables.
+    __hash__ = object.__hash__
+
 
 class State(enum.Enum):
     """The state of one key's record (DESIGN.md §3)."""
@@ -45,6 +49,8 @@ class State(enum.Enum):
     RELEASED = "released"
     #: The work may or may not have taken effect.
     UNKNOWN = "unknown"
+
+    __hash__ = object.__hash__  # as Effect's
 
 
 class Outcome(enum.Enum):
@@ -234,12 +240,14 @@ def guard_holds(record: Record, change: Change, now: float) -> bool:
 
 def apply_change(record: Record, change: Change, now: float) -> Record:
     """The record after ``change`` (reference semantics for stores); guards are not checked."""
-    from dataclasses import replace
-
     bump = change.new_owner is not None
     to = change.to
-    return replace(
-        record,
+    return Record(
+        namespace=record.namespace,
+        key=record.key,
+        fingerprint=record.fingerprint,
+        tool=record.tool,
+        effect=record.effect,
         state=to,
         fence=record.fence + 1 if bump else record.fence,
         owner=change.new_owner if change.new_owner is not None else record.owner,
@@ -248,8 +256,9 @@ def apply_change(record: Record, change: Change, now: float) -> Record:
         else None,
         attempts=record.attempts + (1 if bump or change.count_attempt else 0),
         result=change.result if to is State.SUCCEEDED else None,
-        error=change.error if to in (State.FAILED, State.UNKNOWN) else None,
+        error=change.error if to is State.FAILED or to is State.UNKNOWN else None,
         reason=change.reason if to is State.UNKNOWN else None,
+        created_at=record.created_at,
         updated_at=now,
         expires_at=now + change.ttl if to in FINAL_STATES and change.ttl is not None else None,
     )

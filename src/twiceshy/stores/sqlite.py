@@ -125,8 +125,9 @@ _SELECT_RECORD: Final = f"""
     SELECT {_COLUMNS} FROM twiceshy_records WHERE namespace = :namespace AND key = :key
 """
 
-# Insert a fresh claim, or replace a record past its retention with fence + 1. A live record
-# (any state) is left alone; the caller then reads it back in the same transaction.
+# Insert a fresh claim, or replace a record past its retention with fence + 1, answering the
+# record written. A live record (any state) is left alone and nothing is answered; the caller
+# then reads it in the same transaction.
 _CLAIM: Final = f"""
     INSERT INTO twiceshy_records ({_COLUMNS})
     VALUES (:namespace, :key, :fingerprint, :tool, :effect, :state, :fence, :owner,
@@ -148,6 +149,7 @@ _CLAIM: Final = f"""
         expires_at     = NULL
     WHERE twiceshy_records.expires_at IS NOT NULL
       AND twiceshy_records.expires_at <= excluded.created_at
+    RETURNING {_COLUMNS}
 """
 
 # The five ``:sN`` slots hold the allowed states, padded with NULL (``x IN (NULL)`` is never
@@ -155,8 +157,9 @@ _CLAIM: Final = f"""
 _STATE_SLOTS: Final = tuple(f"s{i}" for i in range(len(State)))
 _STATES_IN: Final = "state IN (" + ", ".join(f":{slot}" for slot in _STATE_SLOTS) + ")"
 
-# One guarded compare-and-set; it sets exactly what ``apply_change`` sets. Values that depend
-# only on the change and the clock are computed in Python and bound.
+# One guarded compare-and-set; it sets exactly what ``apply_change`` sets, and answers the record
+# written (nothing when a guard fails). Values that depend only on the change and the clock are
+# computed in Python and bound.
 _WRITE: Final = f"""
     UPDATE twiceshy_records SET
         state          = :to,
@@ -176,6 +179,7 @@ _WRITE: Final = f"""
       AND (:owner IS NULL OR owner = :owner)
       AND (NOT :lapsed OR (lease_deadline IS NOT NULL AND lease_deadline <= :now))
       AND (expires_at IS NULL OR expires_at > :now)
+    RETURNING {_COLUMNS}
 """
 
 _RECORDS: Final = f"""
@@ -202,7 +206,7 @@ _PURGE: Final = f"""
 
 _SYNCHRONOUS: Final = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
 _JOURNAL_MODES: Final = frozenset({"wal", "delete", "truncate", "persist"})
-_MIN_VERSION: Final = (3, 24, 0)  # INSERT ... ON CONFLICT DO UPDATE
+_MIN_VERSION: Final = (3, 35, 0)  # INSERT ... ON CONFLICT DO UPDATE ... RETURNING
 _IDLE_CONNECTIONS: Final = 4
 _SQLITE_BUSY: Final = 5
 _SQLITE_LOCKED: Final = 6
@@ -602,26 +606,24 @@ class SQLiteStore:
                 lease=lease,
                 now=now,
             )
-            inserted = (
-                conn.execute(
-                    _CLAIM,
-                    {
-                        "namespace": namespace,
-                        "key": key,
-                        "fingerprint": fresh.fingerprint,
-                        "tool": fresh.tool,
-                        "effect": fresh.effect.value,
-                        "state": fresh.state.value,
-                        "fence": fresh.fence,
-                        "owner": fresh.owner,
-                        "lease_deadline": fresh.lease_deadline,
-                        "attempts": fresh.attempts,
-                        "now": now,
-                    },
-                ).rowcount
-                == 1
-            )
-            record = self._read(conn, namespace, key)
+            rows = conn.execute(
+                _CLAIM,
+                {
+                    "namespace": namespace,
+                    "key": key,
+                    "fingerprint": fresh.fingerprint,
+                    "tool": fresh.tool,
+                    "effect": fresh.effect.value,
+                    "state": fresh.state.value,
+                    "fence": fresh.fence,
+                    "owner": fresh.owner,
+                    "lease_deadline": fresh.lease_deadline,
+                    "attempts": fresh.attempts,
+                    "now": now,
+                },
+            ).fetchall()
+            inserted = bool(rows)
+            record = _record(rows[0]) if rows else self._read(conn, namespace, key)
         if inserted:
             self._notify()
         if record is None or not is_live(record, now):  # cannot happen: the row was just read
@@ -657,8 +659,9 @@ class SQLiteStore:
                 ),
                 **_state_slots(change.from_states),
             }
-            won = conn.execute(_WRITE, params).rowcount == 1
-            record = self._read(conn, namespace, key)
+            rows = conn.execute(_WRITE, params).fetchall()
+            won = bool(rows)
+            record = _record(rows[0]) if rows else self._read(conn, namespace, key)
         if won:
             self._notify()
         if record is not None and not is_live(record, now):
