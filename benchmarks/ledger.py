@@ -1,6 +1,6 @@
 """Per-call cost of a protected call on the memory and SQLite ledgers, beside the floor.
 
-    python benchmarks/ledger.py [--quick]
+    python benchmarks/ledger.py [--quick] [--synchronous FULL|NORMAL|OFF]
 
 A *first call* claims the key, runs the tool and records the outcome; a *replay* is a retry of an
 intent already recorded. The floor is raw ``sqlite3`` doing the same transactions on the same
@@ -43,7 +43,6 @@ def median_us(times: list[int]) -> float:
     return statistics.median(times) / 1000
 
 
-SYNC = "FULL"
 RESULT = {"id": "ch_1", "amount": 4900, "customer": "cus_1"}
 """What the benchmarked tool returns, and what the floor stores as its result."""
 
@@ -76,11 +75,11 @@ def protected(url: str) -> Case:
     return first, replay, ledger.close
 
 
-def floor(path: Path, journal_mode: str) -> Case:
+def floor(path: Path, journal_mode: str, synchronous: str) -> Case:
     """(two write transactions, one read, close) of raw sqlite3 at the same settings."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute(f"PRAGMA journal_mode = {journal_mode}")
-    conn.execute(f"PRAGMA synchronous = {SYNC}")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
     for statement in SCHEMA:  # the ledger's own table and indexes
         conn.execute(statement)
     insert = (
@@ -143,15 +142,22 @@ def measure(cases: dict[str, Case], rounds: int, calls: int) -> dict[str, tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, for a smoke run")
-    quick = parser.parse_args().quick
+    parser.add_argument(
+        "--synchronous",
+        default="FULL",
+        choices=["FULL", "NORMAL", "OFF"],
+        help="SQLite's synchronous setting for the ledger and the floor (default FULL)",
+    )
+    args = parser.parse_args()
+    quick, sync = args.quick, args.synchronous
     rounds, calls = (2, 20) if quick else (8, 50)
     with tempfile.TemporaryDirectory() as tmp:
         mode = SQLiteStore(Path(tmp) / "probe.db").journal_mode
         results = measure(
             {
                 "memory": protected("memory://"),
-                "sqlite": protected(f"sqlite:///{tmp}/ledger.db"),
-                "floor": floor(Path(tmp) / "floor.db", mode),
+                "sqlite": protected(f"sqlite:///{tmp}/ledger.db?synchronous={sync}"),
+                "floor": floor(Path(tmp) / "floor.db", mode, sync),
             },
             rounds,
             calls,
@@ -171,7 +177,7 @@ def main() -> None:
     print(f"{'memory://':<36} {first:>10.1f} {'':>8} {'':>6} {replay:>8.1f}")
     first, replay = results["sqlite"]
     print(
-        f"{f'sqlite:/// ({mode} journal, synchronous=FULL)':<36} {first:>10.1f}"
+        f"{f'sqlite:/// ({mode} journal, synchronous={sync})':<36} {first:>10.1f}"
         f" {floor_first:>8.1f} {first / floor_first:>6.2f}"
         f" {replay:>8.1f} {floor_read:>8.1f} {replay / floor_read:>6.2f}"
     )

@@ -6,10 +6,12 @@ For each server store:
 
 - *first call*: a KEYED tool's new intent (claim, run, record); *replay*: a retry of a recorded
   intent. The tool does nothing, so what is measured is twiceshy's own cost.
-- *floor*: the same client doing the same number of raw round trips: for PostgreSQL two
-  committed single-row writes (an INSERT and an UPDATE, each its own transaction, so each waits
-  for the WAL flush as a claim and a record do) for a first call and one primary-key SELECT for
-  a replay; for Redis two HSETs for a first call and one HGETALL for a replay.
+- *floor*: the same client doing the same number of raw round trips with the same rows: for
+  PostgreSQL an INSERT of the claim and an UPDATE to the outcome, each its own committed
+  transaction, in a table of the ledger's own shape (columns, key, indexes), with SHA-256 keys
+  like the ledger's, and one primary-key SELECT of a whole record for a replay; for Redis an
+  HSET of the claim's fields and an HSET of the outcome's, and one HGETALL of a whole record.
+- *trivial*: the same number of round trips on a two-column table or a two-field hash.
 - *peer*: Powertools for AWS Lambda's idempotency utility with its Redis persistence layer on the
   same Redis (outside Lambda: ``ssl=False``; it needs boto3 importable).
 - *wake-up*: a waiter blocked on a running call, woken by the owner recording its outcome:
@@ -23,7 +25,10 @@ Medians of per-call times; the machine is shared, so compare ratios within one r
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import logging
+import os
 import secrets
 import statistics
 import threading
@@ -98,6 +103,44 @@ def protected(ledger: twiceshy.Ledger) -> tuple[Callable[[int], object], Callabl
     return first, replay
 
 
+RESULT_TEXT = '{"id":"ch_1","amount":4900,"customer":"cus_1"}'
+"""The benchmarked tool's result as the ledger stores it."""
+
+
+def same_row(prefix: str, n: int) -> tuple[Any, ...]:
+    """A CLAIMED record as the ledger writes it: SHA-256 key and fingerprint, an owner token."""
+    key = (
+        "replayed" if prefix == "replayed" else hashlib.sha256(f"{prefix}:{n}".encode()).hexdigest()
+    )
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()
+    now = time.time()
+    owner = f"{fingerprint[:16]}.{os.getpid()}.{n}"
+    return (
+        "",
+        key,
+        fingerprint,
+        "charge",
+        "keyed",
+        "claimed",
+        1,
+        owner,
+        now + 30,
+        1,
+        None,
+        None,
+        None,
+        now,
+        now,
+        None,
+    )
+
+
+def same_fields(prefix: str, n: int) -> dict[str, Any]:
+    """:func:`same_row` as the fields of a Redis hash (no field for a missing value)."""
+    names = [field.name for field in dataclasses.fields(twiceshy.Record)]
+    return {k: v for k, v in zip(names, same_row(prefix, n), strict=True) if v is not None}
+
+
 def _waiter(store: Any, key: str, waiting: threading.Event, woke: list[int]) -> None:
     waiting.set()
     store.wait("", key, 1, 10.0)
@@ -133,24 +176,51 @@ def wake_up(ledger: twiceshy.Ledger, trials: int) -> float:
 def postgres(run: Run, records: int) -> dict[str, float]:
     """Measure the PostgreSQL ledger and its floor."""
     schema = f"twiceshy_bench_{secrets.token_hex(4)}"
+    prefix = secrets.token_hex(8)
     ledger = twiceshy.Ledger(f"{POSTGRES}?schema={schema}")
     first, replay = protected(ledger)
     conn = psycopg.connect(POSTGRES, autocommit=True)
-    conn.execute(f"CREATE TABLE {schema}.floor (k text PRIMARY KEY, v text)")
-    conn.execute(f"INSERT INTO {schema}.floor VALUES ('replayed', 'x')")
+    # The same rows in a table of the ledger's own shape (its columns, key and indexes).
+    conn.execute(f"CREATE TABLE {schema}.floor (LIKE {schema}.records INCLUDING ALL)")
+    conn.execute(f"CREATE TABLE {schema}.trivial (k text PRIMARY KEY, v text)")
+    conn.execute(f"INSERT INTO {schema}.trivial VALUES ('replayed', 'x')")
+    insert = f"INSERT INTO {schema}.floor VALUES ({', '.join(['%s'] * 16)})"
+    update = (
+        f"UPDATE {schema}.floor SET state = 'succeeded', result = %s, lease_deadline = NULL,"
+        " updated_at = %s, expires_at = %s"
+        " WHERE namespace = '' AND key = %s AND fence = 1 AND state = 'claimed'"
+    )
+    conn.execute(insert, same_row("replayed", 0))
     counter = iter(range(10**9))
 
     def floor_first(i: int) -> None:
-        k = f"k{next(counter)}"
-        conn.execute(f"INSERT INTO {schema}.floor VALUES (%s, 'claimed')", (k,))
-        conn.execute(f"UPDATE {schema}.floor SET v = 'done' WHERE k = %s", (k,))
+        row = same_row(prefix, next(counter))
+        conn.execute(insert, row)
+        conn.execute(update, (RESULT_TEXT, row[14], row[14] + 86400, row[1]))
 
     def floor_read(i: int) -> None:
-        conn.execute(f"SELECT * FROM {schema}.floor WHERE k = 'replayed'").fetchone()
+        conn.execute(
+            f"SELECT * FROM {schema}.floor WHERE namespace = '' AND key = %s", ("replayed",)
+        ).fetchone()
+
+    def trivial_first(i: int) -> None:
+        k = f"k{next(counter)}"
+        conn.execute(f"INSERT INTO {schema}.trivial VALUES (%s, 'claimed')", (k,))
+        conn.execute(f"UPDATE {schema}.trivial SET v = 'done' WHERE k = %s", (k,))
+
+    def trivial_read(i: int) -> None:
+        conn.execute(f"SELECT * FROM {schema}.trivial WHERE k = 'replayed'").fetchone()
 
     try:
         out = run.interleave(
-            {"first": first, "replay": replay, "floor first": floor_first, "floor read": floor_read}
+            {
+                "first": first,
+                "replay": replay,
+                "floor first": floor_first,
+                "floor read": floor_read,
+                "trivial first": trivial_first,
+                "trivial read": trivial_read,
+            }
         )
         out["wake ms"] = wake_up(ledger, 30)
         conn.execute(
@@ -176,16 +246,35 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     ledger = twiceshy.Ledger(f"{REDIS}?prefix={prefix}")
     first, replay = protected(ledger)
     client = redis.Redis.from_url(REDIS)
-    client.hset(f"{prefix}:floor:replayed", mapping={"state": "succeeded", "result": "{}"})
+    client.hset(f"{prefix}:floor:replayed", mapping=same_fields("replayed", 0))
+    client.hset(f"{prefix}:trivial:replayed", mapping={"state": "succeeded", "result": "{}"})
     counter = iter(range(10**9))
 
     def floor_first(i: int) -> None:
-        k = f"{prefix}:floor:{next(counter)}"
-        client.hset(k, mapping={"state": "claimed", "owner": "o"})
-        client.hset(k, mapping={"state": "succeeded", "result": "{}"})
+        fields = same_fields(prefix, next(counter))
+        name = f"{prefix}:floor:{fields['key']}"
+        client.hset(name, mapping=fields)
+        client.hset(
+            name,
+            mapping={
+                "state": "succeeded",
+                "result": RESULT_TEXT,
+                "updated_at": fields["created_at"],
+                "expires_at": fields["created_at"] + 86400,
+                "write_id": fields["owner"],
+            },
+        )
 
     def floor_read(i: int) -> None:
         client.hgetall(f"{prefix}:floor:replayed")
+
+    def trivial_first(i: int) -> None:
+        k = f"{prefix}:trivial:{next(counter)}"
+        client.hset(k, mapping={"state": "claimed", "owner": "o"})
+        client.hset(k, mapping={"state": "succeeded", "result": "{}"})
+
+    def trivial_read(i: int) -> None:
+        client.hgetall(f"{prefix}:trivial:replayed")
 
     pt_first, pt_replay = powertools(prefix)
     try:
@@ -195,6 +284,8 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
                 "replay": replay,
                 "floor first": floor_first,
                 "floor read": floor_read,
+                "trivial first": trivial_first,
+                "trivial read": trivial_read,
                 "powertools first": pt_first,
                 "powertools replay": pt_replay,
             }
@@ -298,18 +389,28 @@ def main() -> None:
     results = {"postgres": postgres(run, records), "redis": redis_store(run, records)}
     print(f"median per call in microseconds; {run.rounds} rounds of {run.calls} calls per case")
     header = (
-        f"{'store':<9} {'first':>8} {'floor':>8} {'ratio':>6} {'replay':>8} {'1 trip':>8}"
-        f" {'ratio':>6} {'wake ms':>8} {f'first@{records:,}':>15} {f'replay@{records:,}':>16}"
+        f"{'store':<9} {'call':<7} {'twiceshy':>9} {'floor':>7} {'ratio':>6}"
+        f" {'trivial':>8} {'ratio':>6} {f'@{records:,}':>12}"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        print(
-            f"{name:<9} {r['first']:>8.0f} {r['floor first']:>8.0f}"
-            f" {r['first'] / r['floor first']:>6.2f} {r['replay']:>8.0f} {r['floor read']:>8.0f}"
-            f" {r['replay'] / r['floor read']:>6.2f} {r['wake ms']:>8.2f}"
-            f" {r['first full']:>15.0f} {r['replay full']:>16.0f}"
-        )
+        for call, ours, floor, trivial, full in (
+            ("first", r["first"], r["floor first"], r["trivial first"], r["first full"]),
+            ("replay", r["replay"], r["floor read"], r["trivial read"], r["replay full"]),
+        ):
+            print(
+                f"{name:<9} {call:<7} {ours:>9.0f} {floor:>7.0f} {ours / floor:>6.2f}"
+                f" {trivial:>8.0f} {ours / trivial:>6.2f} {full:>12.0f}"
+            )
+    print(
+        "floor: the same round trips writing and reading the same rows as the ledger (a table of"
+        " its shape, SHA-256 keys);\ntrivial: the same number of round trips on a two-column"
+        " table / a two-field hash."
+    )
+    print()
+    for name, r in results.items():
+        print(f"{name}: waiter woken {r['wake ms']:.2f} ms after the owner's write returned")
     r = results["redis"]
     print()
     print("Powertools for AWS Lambda (idempotent_function, Redis layer) on the same Redis:")

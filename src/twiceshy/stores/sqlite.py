@@ -38,9 +38,9 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -52,7 +52,6 @@ from .._records import (
     Snapshot,
     State,
     is_live,
-    new_claim,
 )
 from ..errors import StoreError, StoreUnavailable
 
@@ -256,6 +255,7 @@ def _store_error(exc: sqlite3.Error) -> StoreError:
 
 
 _EFFECTS: Final = {e.value: e for e in Effect}
+_CLAIMED: Final = State.CLAIMED.value
 _STATES: Final = {s.value: s for s in State}
 
 
@@ -285,9 +285,18 @@ def _record(row: Sequence[Any]) -> Record:
 
 
 def _state_slots(states: Iterable[State]) -> dict[str, str | None]:
-    values: list[str | None] = [s.value for s in frozenset(states)]
-    values += [None] * (len(_STATE_SLOTS) - len(values))
-    return dict(zip(_STATE_SLOTS, values, strict=True))
+    states = frozenset(states)
+    slots = _SLOTS.get(states)
+    if slots is None:
+        values: list[str | None] = [s.value for s in sorted(states, key=lambda s: s.value)]
+        values += [None] * (len(_STATE_SLOTS) - len(values))
+        slots = _SLOTS[states] = dict(zip(_STATE_SLOTS, values, strict=True))
+    return slots
+
+
+# The slots of each set of states, made once: a write binds them on every call. There are at
+# most 2**5 sets.
+_SLOTS: dict[frozenset[State], dict[str, str | None]] = {}
 
 
 def _drain(idle: queue.SimpleQueue[sqlite3.Connection]) -> None:
@@ -307,6 +316,61 @@ def _rollback_quietly(conn: sqlite3.Connection) -> None:
         # The original error is already on its way up, and this connection is discarded
         # (closing it rolls back whatever is left).
         pass
+
+
+class _Lent:
+    """One operation's connection: lent from the pool, given back or discarded on an error.
+
+    A plain class rather than a generator-based context manager: every call of the ledger passes
+    through here two or three times.
+    """
+
+    __slots__ = ("conn", "store", "write")
+
+    def __init__(self, store: SQLiteStore, conn: sqlite3.Connection, *, write: bool) -> None:
+        self.store, self.conn, self.write = store, conn, write
+
+    def __enter__(self) -> sqlite3.Connection:
+        if self.write:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except BaseException as exc:
+                self.__exit__(type(exc), exc, None)
+                raise
+        return self.conn
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conn = self.conn
+        if exc is None:
+            try:
+                if self.write:
+                    conn.execute("COMMIT")
+            except BaseException as failure:
+                self._discard()
+                _raise_mapped(failure)
+                raise
+            self.store._give_back(conn)
+            return
+        self._discard()
+        _raise_mapped(exc)
+
+    def _discard(self) -> None:
+        _rollback_quietly(self.conn)
+        self.conn.close()
+
+
+def _raise_mapped(exc: BaseException) -> None:
+    """Raise a driver error as :class:`StoreError`; anything else goes on as it is."""
+    if isinstance(exc, sqlite3.Error):
+        raise _store_error(exc) from exc
+    if isinstance(exc, UnicodeEncodeError):
+        # sqlite3 stores text as strict UTF-8: a lone surrogate cannot be written.
+        raise StoreError(f"SQLite ledger cannot store text that is not UTF-8: {exc}") from exc
 
 
 class SQLiteStore:
@@ -523,8 +587,7 @@ class SQLiteStore:
         if self._closed:  # close() ran meanwhile and may have missed this one
             _drain(idle)
 
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
+    def _connection(self) -> _Lent:
         """Lend a connection for one operation; map driver errors to :class:`StoreError`."""
         if self._closed:
             raise StoreError(f"SQLite ledger {self.path!r} is closed")
@@ -532,33 +595,17 @@ class SQLiteStore:
             conn = self._pool().get_nowait()
         except queue.Empty:
             conn = self._connect()
-        try:
-            yield conn
-        except sqlite3.Error as exc:
-            _rollback_quietly(conn)
-            conn.close()
-            raise _store_error(exc) from exc
-        except UnicodeEncodeError as exc:
-            # sqlite3 stores text as strict UTF-8: a lone surrogate cannot be written.
-            _rollback_quietly(conn)
-            conn.close()
-            raise StoreError(f"SQLite ledger cannot store text that is not UTF-8: {exc}") from exc
-        except BaseException:
-            _rollback_quietly(conn)
-            conn.close()
-            raise
-        self._give_back(conn)
+        return _Lent(self, conn, write=False)
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction: ``BEGIN IMMEDIATE`` takes the one writer's lock up front."""
-        with self._connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            # On any error _connection rolls back and discards the connection. A failed
-            # COMMIT leaves the outcome unknown to us; a claim retried with the same owner
-            # token recognises itself.
-            yield conn
-            conn.execute("COMMIT")
+    def _transaction(self) -> _Lent:
+        """A write transaction: ``BEGIN IMMEDIATE`` takes the one writer's lock up front.
+
+        On any error the connection is rolled back and discarded. A failed ``COMMIT`` leaves the
+        outcome unknown to us; a claim retried with the same owner token recognises itself.
+        """
+        lent = self._connection()
+        lent.write = True
+        return lent
 
     def _notify(self) -> None:
         with self._changed:
@@ -596,29 +643,19 @@ class SQLiteStore:
         with self._transaction() as conn:
             # Read the clock once the lock is held: waiting for it must not shorten the lease.
             now = self._clock()
-            fresh = new_claim(
-                namespace,
-                key,
-                fingerprint=fingerprint,
-                tool=tool,
-                effect=effect,
-                owner=owner,
-                lease=lease,
-                now=now,
-            )
             rows = conn.execute(
                 _CLAIM,
                 {
                     "namespace": namespace,
                     "key": key,
-                    "fingerprint": fresh.fingerprint,
-                    "tool": fresh.tool,
-                    "effect": fresh.effect.value,
-                    "state": fresh.state.value,
-                    "fence": fresh.fence,
-                    "owner": fresh.owner,
-                    "lease_deadline": fresh.lease_deadline,
-                    "attempts": fresh.attempts,
+                    "fingerprint": fingerprint,
+                    "tool": tool,
+                    "effect": effect.value,
+                    "state": _CLAIMED,
+                    "fence": 1,
+                    "owner": owner,
+                    "lease_deadline": now + lease,
+                    "attempts": 1,
                     "now": now,
                 },
             ).fetchall()
