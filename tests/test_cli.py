@@ -549,7 +549,7 @@ def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> No
 
 
 def test_stats_counts_by_state_and_tool(parked: tuple[str, str]) -> None:
-    """``stats`` counts one record per state and per tool, and says duplicates are not counted."""
+    """``stats`` counts one record per state and per tool."""
     url, ns = parked
     data = json.loads(ok(cli(url, ns, "stats", "--json")).stdout)
     assert data["records"] == 5
@@ -560,12 +560,40 @@ def test_stats_counts_by_state_and_tool(parked: tuple[str, str]) -> None:
         ("charge", "refund", "wire", "mail", "ship"), 1
     )
     assert data["by_tool"]["wire"]["by_state"]["unknown"] == 1
-    assert data["duplicates_answered"] is None
     out = ok(cli(url, ns, "stats")).stdout
     assert "5 live records" in out
-    assert "not available yet" in out
     row = next(line for line in out.splitlines() if "all tools" in line)
     assert row.split()[2:] == ["1", "1", "1", "1", "1", "5"]
+
+
+_CALLER = """
+import sys, twiceshy
+url, namespace, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with twiceshy.Ledger(url, namespace=namespace) as ledger:
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> dict:
+        return {"id": "ch_1"}
+    with twiceshy.run("run-1"):
+        for _ in range(calls):
+            charge(4900)
+"""
+
+
+def test_stats_counts_duplicates_answered_across_processes(ledger_url: str) -> None:
+    """Two processes retrying one intent: ``stats`` sums one run and every replay of both."""
+    ns = f"dup-{secrets.token_hex(4)}"
+    for calls in (3, 4):
+        subprocess.run(
+            [sys.executable, "-c", _CALLER, ledger_url, ns, str(calls)], check=True, timeout=60
+        )
+    data = json.loads(ok(cli(ledger_url, ns, "stats", "--json")).stdout)
+    assert data["calls"] == {"charge": {"executed": 1, "replayed": 6}}
+    assert data["duplicates_answered"] == {"replayed": 6, "joined": 0, "waited": 0, "total": 6}
+    out = ok(cli(ledger_url, ns, "stats")).stdout
+    assert "calls by how they were answered: 7" in out
+    assert "duplicates answered without running again: 6 (6 replayed, 0 joined, 0 waited)" in out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["charge"] and "6" in line)
+    assert row.split()[-4:] == ["1", "6", "0", "0"]
 
 
 # -- errors and the real command ----------------------------------------------------------------

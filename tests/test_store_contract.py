@@ -29,7 +29,7 @@ from twiceshy._records import (
     is_live,
     new_claim,
 )
-from twiceshy.stores import Store
+from twiceshy.stores import CallCounts, Store
 
 if TYPE_CHECKING:
     from conftest import FakeClock
@@ -687,3 +687,47 @@ def test_records_lists_newest_first_and_filters(store: Store, clock: FakeClock) 
     assert keys(tool="charge", limit=1) == ["k4"]
     assert [fields(r) for r in store.records(NS)] == [fields(r) for r in (k4, k3, k2, k1)]
     assert store.records("tenant-empty") == []
+
+
+# -- call counts ---------------------------------------------------------------------------------
+
+
+def test_call_counts_add_up_per_namespace(store: Store) -> None:
+    """Counts added in several flushes sum by (tool, outcome), each namespace apart."""
+    assert isinstance(store, CallCounts)
+    assert store.counts(NS) == {}
+    store.add_counts(NS, {("charge", "executed"): 2, ("charge", "replayed"): 5})
+    store.add_counts(NS, {("charge", "replayed"): 1, ("mail", "joined"): 3})
+    store.add_counts("tenant-b", {("charge", "replayed"): 7})
+    store.add_counts(NS, {})
+    assert store.counts(NS) == {
+        ("charge", "executed"): 2,
+        ("charge", "replayed"): 6,
+        ("mail", "joined"): 3,
+    }
+    assert store.counts("tenant-b") == {("charge", "replayed"): 7}
+
+
+def test_call_counts_are_not_records(store: Store) -> None:
+    """Counts never show up among a namespace's records, nor are they purged."""
+    assert isinstance(store, CallCounts)
+    store.add_counts(NS, {("charge", "executed"): 1})
+    assert store.records(NS) == []
+    store.purge_expired()
+    assert store.counts(NS) == {("charge", "executed"): 1}
+
+
+def test_call_counts_from_many_threads_are_all_kept(store: Store) -> None:
+    """Concurrent flushes of one (tool, outcome) lose nothing."""
+    assert isinstance(store, CallCounts)
+    threads = [
+        threading.Thread(
+            target=lambda: [store.add_counts(NS, {("charge", "replayed"): 1}) for _ in range(10)]
+        )
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.counts(NS) == {("charge", "replayed"): 40}

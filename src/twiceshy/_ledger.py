@@ -52,6 +52,7 @@ from ._protocol import (
 )
 from ._records import CallEvent, Effect, Outcome, Record, State
 from ._scope import Current, current_scope, reset_call, set_call
+from ._tally import Tally
 from .errors import (
     InProgress,
     KeyReuseMismatch,
@@ -60,7 +61,7 @@ from .errors import (
     StoreError,
     UnkeyableArgument,
 )
-from .stores import AsyncStore, Store, default_url, open_store
+from .stores import AsyncStore, CallCounts, Store, default_url, open_store
 
 __all__ = ["Guard", "Ledger"]
 
@@ -543,6 +544,9 @@ class Ledger:
             :class:`twiceshy.stores.Store`).
         async_store: its async twin, when ``store`` is given and async tools are used.
         observers: told of every protected call once it is answered (see :meth:`observe`).
+        counts_interval: how often this process adds its call counts (how each call was
+            answered: executed, replayed, joined, ...) to the store, for ``twiceshy stats``;
+            they are added once more by :meth:`close`. ``None`` keeps them in the process.
 
     Raises:
         ValueError: the URL names no known store.
@@ -557,6 +561,7 @@ class Ledger:
         store: Store | None = None,
         async_store: AsyncStore | None = None,
         observers: Collection[Observer] = (),
+        counts_interval: Duration | None = 10.0,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError("namespace= must be a string")
@@ -577,6 +582,14 @@ class Ledger:
         self._owner_prefix = secrets.token_hex(8)
         self._owner_count = itertools.count(1)
         self._observers: tuple[Observer, ...] = tuple(observers)
+        interval = None if counts_interval is None else _seconds(counts_interval, "counts_interval")
+        if interval == 0:
+            raise ValueError("counts_interval= must be positive, or None")
+        self._tally = (
+            Tally(self.store, namespace, interval)
+            if interval is not None and isinstance(self.store, CallCounts)
+            else None
+        )
 
     def observe(self, observer: Observer) -> None:
         """Tell ``observer`` of every protected call of this ledger once it is answered.
@@ -587,10 +600,12 @@ class Ledger:
         self._observers = (*self._observers, observer)
 
     def _answered(self, guard: Guard, seen: _Seen, error: BaseException | None) -> None:
-        """A call was answered: tell observers and the log when anyone listens.
+        """A call was answered: count it; tell observers and the log when anyone listens.
 
         An unknown outcome is always worth a warning, observed or not.
         """
+        if self._tally is not None:
+            self._tally.add(guard.name, seen.outcome if error is None else _outcome_of(error, seen))
         if self._observers or log.isEnabledFor(logging.DEBUG) or isinstance(error, OutcomeUnknown):
             duration = time.perf_counter() - seen.clock
             self._tell(guard, seen, error, time.time() - duration, duration)
@@ -643,12 +658,31 @@ class Ledger:
     def __repr__(self) -> str:
         return f"Ledger({self.url!r}, namespace={self.namespace!r})"
 
+    def counts(self) -> dict[tuple[str, str], int]:
+        """This process's call counts not yet added to the store, by ``(tool, outcome)``."""
+        return dict(self._tally.pending()) if self._tally is not None else {}
+
+    def flush_counts(self) -> None:
+        """Add this process's pending call counts to the store now.
+
+        They are also added every ``counts_interval`` seconds and by :meth:`close`.
+
+        Raises:
+            StoreError: the store failed; the counts stay for the next flush.
+        """
+        if self._tally is not None:
+            self._tally.flush()
+
     def close(self) -> None:
-        """Release the store's connections."""
+        """Add the pending call counts to the store and release its connections."""
+        if self._tally is not None:
+            self._tally.close()
         self.store.close()
 
     async def aclose(self) -> None:
-        """Release the store's connections, async ones included."""
+        """Add the pending call counts and release the store's connections, async ones included."""
+        if self._tally is not None:
+            await asyncio.to_thread(self._tally.close)
         await self.async_store.close()
         self.store.close()
 

@@ -47,9 +47,9 @@ import twiceshy
 
 from ._codec import ResultCodec
 from ._protocol import TRANSITIONS, Actor
-from ._records import Change, Record, State
+from ._records import Change, Outcome, Record, State
 from .errors import ResultNotStorable, StoreError
-from .stores import Store, default_url, open_store
+from .stores import CallCounts, Store, default_url, open_store
 
 __all__ = ["EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
 
@@ -64,9 +64,12 @@ RESOLVE_ERROR_TYPE: Final = "twiceshy.resolve"
 """The error type recorded by ``resolve --failed`` (replayed as ``ReplayedError``)."""
 
 _SHORT_KEY: Final = 12
-_NO_DUPLICATES: Final = (
-    "Duplicates answered by replay or join: not available yet (the ledger does not count them)."
+_NO_COUNTS: Final = "This ledger's store keeps no call counts."
+_COUNTS_NOTE: Final = (
+    "Each process adds its call counts every 10 s (counts_interval=) and when its ledger closes."
 )
+# Outcomes that answered a repeat of an intent without running it again.
+_DUPLICATES: Final = (Outcome.REPLAYED, Outcome.JOINED, Outcome.WAITED)
 _NO_HISTORY: Final = "the ledger keeps a count of attempts, not a history of them"
 _STATE_STYLES: Final = {
     State.CLAIMED: "yellow",
@@ -679,13 +682,22 @@ def gc(ledger_url: str | None, namespace: str, dry_run: bool, all_namespaces: bo
 @_ledger_options
 @click.option("--json", "as_json", is_flag=True, help="The counts as one JSON object.")
 def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
-    """Count the live records by state and by tool."""
+    """Count the live records by state and tool, and the calls by how they were answered."""
     with _opened(ledger_url) as store:
         found = store.records(namespace)
+        counts = store.counts(namespace) if isinstance(store, CallCounts) else None
     by_state = Counter(r.state for r in found)
     by_tool: dict[str, Counter[State]] = {}
     for r in found:
         by_tool.setdefault(r.tool, Counter())[r.state] += 1
+    answered: dict[str, Counter[str]] = {}
+    for (tool, outcome), n in (counts or {}).items():
+        answered.setdefault(tool, Counter())[outcome] += n
+    duplicates = (
+        None
+        if counts is None
+        else {o.value: sum(tc[o.value] for tc in answered.values()) for o in _DUPLICATES}
+    )
     if as_json:
         _echo_json(
             {
@@ -696,8 +708,13 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
                     t: {"records": sum(c.values()), "by_state": {s.value: c[s] for s in State}}
                     for t, c in sorted(by_tool.items())
                 },
-                "duplicates_answered": None,
-                "note": _NO_DUPLICATES,
+                "calls": None
+                if counts is None
+                else {t: dict(sorted(tc.items())) for t, tc in sorted(answered.items())},
+                "duplicates_answered": None
+                if duplicates is None
+                else {**duplicates, "total": sum(duplicates.values())},
+                "note": _NO_COUNTS if counts is None else _COUNTS_NOTE,
             }
         )
         return
@@ -711,7 +728,28 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     console = Console(highlight=False)
     console.print(Text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
     console.print(table)
-    console.print(Text(_NO_DUPLICATES), soft_wrap=True)
+    if counts is None or duplicates is None:
+        console.print(Text(_NO_COUNTS), soft_wrap=True)
+        return
+    calls = Table(box=box.SIMPLE_HEAD, show_footer=True)
+    calls.add_column("tool", footer="all tools", overflow="fold")
+    totals: Counter[str] = Counter()
+    for per_tool in answered.values():
+        totals.update(per_tool)
+    # The outcomes that happened, and always those of a first call and of its duplicates.
+    shown = [o for o in Outcome if totals[o.value] or o is Outcome.EXECUTED or o in _DUPLICATES]
+    for o in shown:
+        calls.add_column(o.value, footer=str(totals[o.value]), justify="right")
+    for t, per_tool in sorted(answered.items()):
+        calls.add_row(Text(t), *(str(per_tool[o.value]) for o in shown))
+    total = sum(duplicates.values())
+    detail = ", ".join(f"{n} {name}" for name, n in duplicates.items())
+    console.print(Text(f"calls by how they were answered: {sum(totals.values())}"), soft_wrap=True)
+    console.print(calls)
+    console.print(
+        Text(f"duplicates answered without running again: {total} ({detail})"), soft_wrap=True
+    )
+    console.print(Text(_COUNTS_NOTE), soft_wrap=True)
 
 
 # -- reconcile ----------------------------------------------------------------------------------

@@ -17,19 +17,23 @@ The contract, in short:
 - Errors reaching the store raise :class:`~twiceshy.StoreError` (``StoreUnavailable`` when it
   cannot be reached), chained from the driver's own error; a store never answers "no record" for a
   record it could not read.
+
+A store may also keep call counts (:class:`CallCounts`): how many calls of each tool were
+answered which way, summed over every process that shares the ledger. Every store of twiceshy's
+does; a ledger whose store does not simply keeps its counts to itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from .._records import Change, Effect, Record, Snapshot, State
 
-__all__ = ["AsyncStore", "Store", "ThreadedAsyncStore", "open_store"]
+__all__ = ["AsyncStore", "CallCounts", "Store", "ThreadedAsyncStore", "open_store"]
 
 
 @runtime_checkable
@@ -79,6 +83,23 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release connections."""
+        ...
+
+
+@runtime_checkable
+class CallCounts(Protocol):
+    """The optional part of a store that sums call counts across processes.
+
+    A count is keyed by ``(tool, outcome)``, the outcome being a :class:`~twiceshy.Outcome`'s
+    value (``"executed"``, ``"replayed"``, ``"joined"``, ...). Counts only ever grow.
+    """
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        """Add ``counts`` to the namespace's totals, all of them or none."""
+        ...
+
+    def counts(self, namespace: str) -> dict[tuple[str, str], int]:
+        """The namespace's totals by ``(tool, outcome)``."""
         ...
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from .._records import (
     Change,
@@ -35,6 +35,7 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._records: dict[tuple[str, str], Record] = {}
+        self._counts: dict[tuple[str, str, str], int] = {}
         self._changed = threading.Condition()
 
     def _live(self, namespace: str, key: str, now: float) -> Record | None:
@@ -144,6 +145,18 @@ class MemoryStore:
             for k in dead:
                 del self._records[k]
             return len(dead)
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        """See :meth:`twiceshy.stores.CallCounts.add_counts`."""
+        with self._changed:
+            for (tool, outcome), n in counts.items():
+                key = (namespace, tool, outcome)
+                self._counts[key] = self._counts.get(key, 0) + n
+
+    def counts(self, namespace: str) -> dict[tuple[str, str], int]:
+        """See :meth:`twiceshy.stores.CallCounts.counts`."""
+        with self._changed:
+            return {(t, o): n for (ns, t, o), n in self._counts.items() if ns == namespace}
 
     def close(self) -> None:
         """Nothing to release."""

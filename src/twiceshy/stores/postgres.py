@@ -120,7 +120,10 @@ _NOW: Final = (
     "extract(epoch FROM clock_timestamp())::float8) AS now)"
 )
 
-_EXISTS: Final = "SELECT to_regclass(%(meta)s) IS NOT NULL AND to_regclass(%(t)s) IS NOT NULL"
+_EXISTS: Final = (
+    "SELECT to_regclass(%(meta)s) IS NOT NULL AND to_regclass(%(t)s) IS NOT NULL"
+    " AND to_regclass(%(counts)s) IS NOT NULL"
+)
 
 # One transaction, serialized between processes by the advisory lock: concurrent
 # CREATE ... IF NOT EXISTS can otherwise fail on the catalogs' unique indexes.
@@ -155,6 +158,13 @@ CREATE TABLE IF NOT EXISTS {{t}} (
 );
 CREATE INDEX IF NOT EXISTS {{by_created}} ON {{t}} (namespace, created_at);
 CREATE INDEX IF NOT EXISTS {{by_expiry}} ON {{t}} (expires_at) WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS {{counts}} (
+    namespace text   NOT NULL,
+    tool      text   NOT NULL,
+    outcome   text   NOT NULL,
+    count     bigint NOT NULL,
+    PRIMARY KEY (namespace, tool, outcome)
+);
 COMMIT;
 """
 
@@ -270,6 +280,16 @@ d AS (
 SELECT count(*) FROM d
 """
 
+# Call counts: one statement adds every (tool, outcome) count of a flush, or none.
+_ADD_COUNTS: Final = """
+INSERT INTO {counts} AS c (namespace, tool, outcome, count)
+SELECT %(namespace)s, t, o, n
+FROM unnest(%(tools)s::text[], %(outcomes)s::text[], %(counts)s::bigint[]) AS x (t, o, n)
+ON CONFLICT (namespace, tool, outcome) DO UPDATE SET count = c.count + excluded.count
+"""
+
+_COUNTS: Final = "SELECT tool, outcome, count FROM {counts} WHERE namespace = %(namespace)s"
+
 _LISTEN: Final = "LISTEN {channel}"
 
 # The statements above rely on READ COMMITTED (a conflicting row is re-checked at its latest
@@ -321,6 +341,8 @@ class _Statements:
     purge: bytes
     listen: bytes
     configure: bytes
+    add_counts: bytes
+    counts: bytes
     channel: str
     names: dict[str, str]
 
@@ -339,6 +361,7 @@ class _Statements:
             "schema": sql.Identifier(schema),
             "t": sql.Identifier(schema, table),
             "meta": sql.Identifier(schema, f"{table}_meta"),
+            "counts": sql.Identifier(schema, f"{table}_counts"),
             "by_created": sql.Identifier(f"{table}_by_created"),
             "by_expiry": sql.Identifier(f"{table}_by_expiry"),
             "channel": sql.Identifier(channel),
@@ -364,10 +387,13 @@ class _Statements:
             purge=render(_PURGE),
             listen=render(_LISTEN, bound=False),
             configure=render(_CONFIGURE, bound=False),
+            add_counts=render(_ADD_COUNTS),
+            counts=render(_COUNTS),
             channel=channel,
             names={
                 "t": names["t"].as_string(None),
                 "meta": names["meta"].as_string(None),
+                "counts": names["counts"].as_string(None),
             },
         )
 
@@ -500,7 +526,10 @@ def _retrying(make: Callable[[], _Step]) -> Generator[_Step, _Rows, _Rows]:
 
 
 def _schema_op(st: _Statements) -> _Op[None]:
-    rows = yield _Step(st.exists, {"meta": st.names["meta"], "t": st.names["t"]})
+    names = st.names
+    rows = yield _Step(
+        st.exists, {"meta": names["meta"], "t": names["t"], "counts": names["counts"]}
+    )
     if not rows[0][0]:
         yield _Step(st.create, rows=False)
     rows = yield _Step(st.version)
@@ -616,6 +645,30 @@ def _records_op(
 def _purge_op(st: _Statements, now: _Now, namespace: str | None) -> _Op[int]:
     rows = yield from _retrying(lambda: _Step(st.purge, {"namespace": namespace, "now": now()}))
     return int(rows[0][0])
+
+
+def _add_counts_op(
+    st: _Statements, namespace: str, counts: Mapping[tuple[str, str], int]
+) -> _Op[None]:
+    # Not repeated after a lost connection: the first statement may have committed, and a
+    # count added twice is worse than a flush reported as failed (the caller keeps its counts).
+    if counts:
+        items = sorted(counts.items())
+        yield _Step(
+            st.add_counts,
+            {
+                "namespace": namespace,
+                "tools": [tool for (tool, _), _ in items],
+                "outcomes": [outcome for (_, outcome), _ in items],
+                "counts": [n for _, n in items],
+            },
+            rows=False,
+        )
+
+
+def _counts_op(st: _Statements, namespace: str) -> _Op[dict[tuple[str, str], int]]:
+    rows = yield from _retrying(lambda: _Step(st.counts, {"namespace": namespace}))
+    return {(tool, outcome): int(n) for tool, outcome, n in rows}
 
 
 _WaitPlan = Generator[float | None, Snapshot | None, Snapshot]
@@ -1095,6 +1148,14 @@ class PostgresStore:
     def purge_expired(self, namespace: str | None = None) -> int:
         """See :meth:`twiceshy.stores.Store.purge_expired`."""
         return self._run(_purge_op(self._st, self._now, namespace))
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        """See :meth:`twiceshy.stores.CallCounts.add_counts`: one statement."""
+        self._run(_add_counts_op(self._st, namespace, counts))
+
+    def counts(self, namespace: str) -> dict[tuple[str, str], int]:
+        """See :meth:`twiceshy.stores.CallCounts.counts`."""
+        return self._run(_counts_op(self._st, namespace))
 
     def close(self) -> None:
         """Close the pool and the listener (idempotent)."""

@@ -826,6 +826,10 @@ class _Core:
         except UnicodeError as exc:
             raise _store_error("wait", exc) from exc
 
+    def counts_name(self, namespace: str) -> str:
+        """The hash of a namespace's call counts (outside every record's pattern)."""
+        return f"{self.prefix}:counts:{{{_quote(namespace)}}}"
+
     def pattern(self, namespace: str | None) -> str:
         """A SCAN pattern for the records of one namespace, or of every namespace."""
         inner = "*" if namespace is None else f"{_quote(namespace)}:*"
@@ -1168,6 +1172,38 @@ class RedisStore:
                     raise
                 self._purge.sha = core.client.script_load(PURGE_SCRIPT)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        """See :meth:`twiceshy.stores.CallCounts.add_counts`: ``HINCRBY``s in one ``MULTI``.
+
+        Not sent again after a lost connection (it may have been applied): the error is raised
+        and the caller keeps its counts.
+        """
+        core = self._core
+        core.check_open()
+        if not counts:
+            return
+        name = core.counts_name(namespace)
+        try:
+            pipe = core.client.pipeline(transaction=True)
+            for (tool, outcome), n in counts.items():
+                pipe.hincrby(name, json.dumps([tool, outcome]), n)
+            pipe.execute()
+        except (RedisError, UnicodeError) as exc:
+            raise _store_error("count", exc) from exc
+
+    def counts(self, namespace: str) -> dict[tuple[str, str], int]:
+        """See :meth:`twiceshy.stores.CallCounts.counts`."""
+
+        def op() -> dict[tuple[str, str], int]:
+            found = self._core.client.hgetall(self._core.counts_name(namespace))
+            out: dict[tuple[str, str], int] = {}
+            for field, n in found.items():
+                tool, outcome = json.loads(field)
+                out[(str(tool), str(outcome))] = int(n)
+            return out
+
+        return self._run("counts", op)
 
     def close(self) -> None:
         """Stop the subscriber and close every connection (idempotent).

@@ -111,6 +111,17 @@ _SCHEMA: Final = (
     CREATE INDEX IF NOT EXISTS twiceshy_records_by_expiry
     ON twiceshy_records (expires_at) WHERE expires_at IS NOT NULL
     """,
+    # Call counts by tool and outcome, summed over every process (added after version 1's
+    # first release: IF NOT EXISTS brings older files up to date).
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_counts (
+        namespace TEXT    NOT NULL,
+        tool      TEXT    NOT NULL,
+        outcome   TEXT    NOT NULL,
+        count     INTEGER NOT NULL,
+        PRIMARY KEY (namespace, tool, outcome)
+    ) WITHOUT ROWID
+    """,
 )
 
 _SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
@@ -190,6 +201,13 @@ _RECORDS: Final = f"""
     ORDER BY created_at DESC
     LIMIT :limit
 """
+
+_ADD_COUNT: Final = """
+    INSERT INTO twiceshy_counts (namespace, tool, outcome, count) VALUES (?, ?, ?, ?)
+    ON CONFLICT (namespace, tool, outcome) DO UPDATE SET count = count + excluded.count
+"""
+
+_COUNTS: Final = "SELECT tool, outcome, count FROM twiceshy_counts WHERE namespace = ?"
 
 _FINAL_VALUES: Final = ", ".join(f"'{s.value}'" for s in State if s in FINAL_STATES)
 
@@ -771,6 +789,19 @@ class SQLiteStore:
             # One statement in autocommit mode is its own transaction.
             count: int = conn.execute(_PURGE, {"now": now, "namespace": namespace}).rowcount
         return count
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        """See :meth:`twiceshy.stores.CallCounts.add_counts`: one write transaction."""
+        rows = [(namespace, tool, outcome, n) for (tool, outcome), n in counts.items()]
+        if rows:
+            with self._transaction() as conn:
+                conn.executemany(_ADD_COUNT, rows)
+
+    def counts(self, namespace: str) -> dict[tuple[str, str], int]:
+        """See :meth:`twiceshy.stores.CallCounts.counts`."""
+        with self._connection() as conn:
+            rows = conn.execute(_COUNTS, (namespace,)).fetchall()
+        return {(tool, outcome): int(n) for tool, outcome, n in rows}
 
     def close(self) -> None:
         """Close the idle connections; connections in use close when given back."""

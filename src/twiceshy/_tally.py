@@ -1,0 +1,112 @@
+"""Counting how this process's calls were answered, and adding the counts to the ledger.
+
+Every protected call adds one to its ``(tool, outcome)`` count in memory, which costs no I/O. A
+thread adds the counts to the store every ``interval`` seconds, and :meth:`Tally.close` once
+more, so ``twiceshy stats`` sums what every process sharing the ledger did: how many retries
+were answered by a replay or a join instead of a second run.
+
+The counts are for operators, not for the protocol: a process that dies loses the counts of its
+last interval, and a flush whose reply was lost (the store may have applied it) is counted
+again at the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+
+from ._records import Outcome
+from .errors import StoreError
+from .stores import CallCounts
+
+__all__ = ["Tally"]
+
+log = logging.getLogger("twiceshy")
+
+
+class Tally:
+    """One ledger's call counts, flushed to its store.
+
+    Args:
+        store: where the counts are summed.
+        namespace: the ledger's namespace.
+        interval: seconds between flushes.
+    """
+
+    def __init__(self, store: CallCounts, namespace: str, interval: float) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._closed = False
+
+    def add(self, tool: str, outcome: Outcome) -> None:
+        """Count one call."""
+        key = (tool, outcome.value)
+        if self._pid != os.getpid():
+            self._forked()
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._loop, name="twiceshy-counts", daemon=True
+                )
+                self._thread.start()
+
+    def _forked(self) -> None:
+        # A forked child: the counts it inherited are its parent's to flush, and the parent's
+        # lock may have been held by a thread that does not exist here.
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pid, self._counts, self._thread = os.getpid(), {}, None
+
+    def pending(self) -> Mapping[tuple[str, str], int]:
+        """The counts not yet added to the store."""
+        with self._lock:
+            return dict(self._counts)
+
+    def flush(self) -> None:
+        """Add the pending counts to the store now.
+
+        Raises:
+            StoreError: the store failed; the counts stay pending for the next flush.
+        """
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        if not counts:
+            return
+        try:
+            self._store.add_counts(self._namespace, counts)
+        except BaseException:
+            with self._lock:
+                for key, n in counts.items():
+                    self._counts[key] = self._counts.get(key, 0) + n
+            raise
+
+    def close(self) -> None:
+        """Stop the thread and flush what is pending (a store error is logged)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._interval + 5.0)
+        self._flush_logged()
+
+    def _flush_logged(self) -> None:
+        try:
+            self.flush()
+        except StoreError:
+            log.warning("twiceshy: could not add call counts to the ledger", exc_info=True)
+
+    def _loop(self) -> None:
+        while not self._wake.wait(self._interval):
+            if self._pid != os.getpid():
+                return
+            self._flush_logged()

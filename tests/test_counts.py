@@ -1,0 +1,139 @@
+"""Call counts: every call is counted by how it was answered, and the counts reach the store."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+import twiceshy
+from twiceshy.stores import CallCounts, Store
+from twiceshy.stores.memory import MemoryStore
+
+
+def shop(ledger: twiceshy.Ledger, gate: threading.Event | None = None) -> Any:
+    """A KEYED charge tool that waits for ``gate`` when given one."""
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> dict[str, int]:
+        if gate is not None:
+            gate.wait(10)
+        return {"amount": amount}
+
+    return charge
+
+
+def test_close_adds_the_calls_to_the_store(store: Store) -> None:
+    """A first call, its replays and a joined duplicate are in the store once the ledger closes."""
+    assert isinstance(store, CallCounts)
+    ledger = twiceshy.Ledger(store=store, namespace="shop")
+    gate = threading.Event()
+    charge = shop(ledger, gate)
+
+    def call() -> None:
+        with twiceshy.run("run-1"):
+            charge(100)
+
+    first = threading.Thread(target=call)
+    first.start()
+    deadline = time.monotonic() + 10
+    while not ledger._flights._flights:  # the first call is running
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    joined = threading.Thread(target=call)
+    joined.start()
+    time.sleep(0.05)
+    gate.set()
+    first.join(10)
+    joined.join(10)
+    call()
+    call()
+    assert store.counts("shop") == {}  # nothing flushed before the interval or close
+    ledger._tally.close()  # type: ignore[union-attr] # close() would close the test's store
+    assert store.counts("shop") == {
+        ("charge", "executed"): 1,
+        ("charge", "joined"): 1,
+        ("charge", "replayed"): 2,
+    }
+    assert ledger.counts() == {}
+
+
+def test_counts_are_flushed_every_interval(store: Store) -> None:
+    """Without a close, the counts reach the store within the interval."""
+    assert isinstance(store, CallCounts)
+    ledger = twiceshy.Ledger(store=store, namespace="shop", counts_interval=0.05)
+    charge = shop(ledger)
+    with twiceshy.run("run-2"):
+        charge(1)
+        charge(1)
+    deadline = time.monotonic() + 10
+    while store.counts("shop") != {("charge", "executed"): 1, ("charge", "replayed"): 1}:
+        assert time.monotonic() < deadline, store.counts("shop")
+        time.sleep(0.02)
+
+
+def test_refusals_and_unknown_outcomes_are_counted(store: Store) -> None:
+    """A call refused before running and an UNSAFE call whose outcome is unknown are counted."""
+    ledger = twiceshy.Ledger(store=store, namespace="shop")
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def fax(text: str) -> None:
+        raise TimeoutError("no answer")
+
+    with pytest.raises(twiceshy.MissingScope):
+        fax("hello")
+    with twiceshy.run("run-3"), pytest.raises(twiceshy.OutcomeUnknown):
+        fax("hello")
+    with twiceshy.run("run-3"), pytest.raises(twiceshy.OutcomeUnknown):
+        fax("hello")
+    assert ledger.counts() == {("fax", "refused"): 1, ("fax", "unknown"): 2}
+
+
+def test_counts_interval_none_keeps_the_counts_in_the_process() -> None:
+    """With counts_interval=None nothing is written to the store, even at close."""
+    store = MemoryStore()
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    charge = shop(ledger)
+    with twiceshy.run("run-4"):
+        charge(1)
+    ledger.close()
+    assert store.counts("") == {}
+    assert ledger.counts() == {}
+
+
+def test_counts_interval_must_be_positive() -> None:
+    """A zero or negative interval is refused when the ledger is made."""
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="counts_interval"):
+            twiceshy.Ledger("memory://", counts_interval=bad)
+
+
+class FailingCounts(MemoryStore):
+    """A memory store whose call counts cannot be written."""
+
+    def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
+        raise twiceshy.StoreUnavailable("the counts table is gone")
+
+
+def test_a_failed_flush_keeps_the_counts_for_the_next() -> None:
+    """A store error on flush is raised to the caller, and no count is lost."""
+    ledger = twiceshy.Ledger(store=FailingCounts())
+    charge = shop(ledger)
+    with twiceshy.run("run-5"):
+        charge(1)
+        charge(1)
+    with pytest.raises(twiceshy.StoreUnavailable):
+        ledger.flush_counts()
+    assert ledger.counts() == {("charge", "executed"): 1, ("charge", "replayed"): 1}
+
+
+def test_a_failed_flush_at_close_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """Closing a ledger whose counts cannot be written still closes it, with a warning."""
+    ledger = twiceshy.Ledger(store=FailingCounts())
+    with twiceshy.run("run-6"):
+        shop(ledger)(1)
+    ledger.close()
+    assert "could not add call counts" in caplog.text
