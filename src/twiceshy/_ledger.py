@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextvars import Token
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, BoundCall
@@ -83,7 +84,45 @@ _Work = Callable[[str], Any]
 """The work of one call, given the call's key (the decorator injects it into the tool)."""
 
 Observer = Callable[[CallEvent], None]
-"""Told of every protected call once it is answered (metrics, traces)."""
+"""Told of every protected call once it is answered (metrics, traces).
+
+An observer may also have a method ``around(tool, effect)`` returning a context manager: it is
+entered in the caller's context before the call starts and left once the call is answered (after
+the observer is told), so what the tool does inside it (a tracer's spans) nests under it.
+"""
+
+
+class _Around:
+    """The observers' contexts around one call; an observer that fails is logged and left out."""
+
+    __slots__ = ("_entered", "_tool")
+
+    def __init__(self, arounds: tuple[Callable[[str, Effect], Any], ...], guard: Guard) -> None:
+        self._tool = guard.name
+        self._entered: list[Any] = []
+        for around in arounds:
+            try:
+                context = around(guard.name, guard.effect)
+                context.__enter__()
+            except Exception:
+                log.exception("twiceshy: an observer failed around %s", guard.name)
+                continue
+            self._entered.append(context)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for context in reversed(self._entered):
+            try:
+                context.__exit__(kind, exc, tb)  # never allowed to swallow the call's error
+            except Exception:
+                log.exception("twiceshy: an observer failed around %s", self._tool)
 
 
 class _Seen:
@@ -341,6 +380,13 @@ class Guard:
     # -- the blocking driver ---------------------------------------------------------------
 
     def _execute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        arounds = self._ledger._arounds
+        if arounds:
+            with _Around(arounds, self):
+                return self._execute_told(bound, work, scope)
+        return self._execute_told(bound, work, scope)
+
+    def _execute_told(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
         seen = _Seen()
         try:
             value = self._execute_once(bound, work, scope, seen)
@@ -422,6 +468,13 @@ class Guard:
     # -- the async driver ------------------------------------------------------------------
 
     async def _aexecute(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
+        arounds = self._ledger._arounds
+        if arounds:
+            with _Around(arounds, self):
+                return await self._aexecute_told(bound, work, scope)
+        return await self._aexecute_told(bound, work, scope)
+
+    async def _aexecute_told(self, bound: BoundCall, work: _Work, scope: str | None) -> Any:
         seen = _Seen()
         try:
             value = await self._aexecute_once(bound, work, scope, seen)
@@ -581,7 +634,10 @@ class Ledger:
         self._heartbeat = Heartbeat(self.store)
         self._owner_prefix = secrets.token_hex(8)
         self._owner_count = itertools.count(1)
-        self._observers: tuple[Observer, ...] = tuple(observers)
+        self._observers: tuple[Observer, ...] = ()
+        self._arounds: tuple[Callable[[str, Effect], Any], ...] = ()
+        for observer in observers:
+            self.observe(observer)
         interval = None if counts_interval is None else _seconds(counts_interval, "counts_interval")
         if interval == 0:
             raise ValueError("counts_interval= must be positive, or None")
@@ -595,9 +651,14 @@ class Ledger:
         """Tell ``observer`` of every protected call of this ledger once it is answered.
 
         Observers run in the caller's thread (and context) right after the call; one that
-        raises is logged and otherwise ignored: observing never changes an outcome.
+        raises is logged and otherwise ignored: observing never changes an outcome. An observer
+        with a method ``around(tool, effect)`` also gets to wrap every call in the context
+        manager it returns (see :data:`Observer`).
         """
         self._observers = (*self._observers, observer)
+        around = getattr(observer, "around", None)
+        if callable(around):
+            self._arounds = (*self._arounds, around)
 
     def _answered(self, guard: Guard, seen: _Seen, error: BaseException | None) -> None:
         """A call was answered: count it; tell observers and the log when anyone listens.

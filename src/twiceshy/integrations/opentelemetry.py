@@ -14,9 +14,11 @@ For each protected call, once it is answered (a :class:`twiceshy.CallEvent`):
   ``twiceshy.call.duration`` (seconds), both with ``twiceshy.tool``, ``twiceshy.effect``,
   ``twiceshy.outcome`` and, on failure, ``error.type``; never the key, whose every value is new.
 
-The span is made after the call, in the caller's context: its parent is the span current where
-the tool was called. Spans the tool itself opened while it ran are therefore its siblings, not
-its children.
+The span is opened before the call starts, in the caller's context (the observer's ``around``
+hook), and is the current span while the call runs: its parent is the span current where the
+tool was called, and the spans the tool opens while it runs (an HTTP request to the provider) are
+its children. It is ended once the call is answered. An event told without the hook (the
+observer called by hand) gets a span back-dated to the event's times.
 
 Only ``opentelemetry-api`` is used; without an SDK configured every span and point is a no-op.
 Install with ``pip install 'twiceshy[opentelemetry]'``.
@@ -24,10 +26,15 @@ Install with ``pip install 'twiceshy[opentelemetry]'``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from opentelemetry import metrics, trace
 
 from .. import __version__
-from .._records import CallEvent
+from .._records import CallEvent, Effect
 
 __all__ = ["TwiceshyTelemetry"]
 
@@ -65,7 +72,7 @@ class TwiceshyTelemetry:
         meter_provider: where metrics go; by default the global one, likewise.
     """
 
-    __slots__ = ("_calls", "_duration", "_tracer")
+    __slots__ = ("_calls", "_duration", "_open", "_tracer")
 
     def __init__(
         self,
@@ -74,6 +81,8 @@ class TwiceshyTelemetry:
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self._tracer = trace.get_tracer(SCOPE, __version__, tracer_provider=tracer_provider)
+        # The span of the call being answered in this context (one per observer instance).
+        self._open: ContextVar[trace.Span | None] = ContextVar("twiceshy_span", default=None)
         meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
         self._calls = meter.create_counter(
             "twiceshy.calls", unit="{call}", description="Protected tool calls, by outcome."
@@ -84,6 +93,23 @@ class TwiceshyTelemetry:
             description="How long protected tool calls took to be answered.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
         )
+
+    @contextmanager
+    def around(self, tool: str, effect: Effect) -> Iterator[None]:
+        """The call's span, current while the call runs (the ledger enters it for each call)."""
+        with self._tracer.start_as_current_span(
+            f"twiceshy {tool}",
+            kind=trace.SpanKind.INTERNAL,
+            attributes={"twiceshy.tool": tool, "twiceshy.effect": effect.value},
+            # __call__ records what the caller got; the ledger's own exit must not add to it.
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            token = self._open.set(span)
+            try:
+                yield
+            finally:
+                self._open.reset(token)
 
     def __call__(self, event: CallEvent) -> None:
         """Record one answered call: its span, its count and its duration."""
@@ -97,22 +123,29 @@ class TwiceshyTelemetry:
         attributes = dict(labels)
         if event.key is not None:
             attributes["twiceshy.key"] = event.key
-        # The event is told after the call: the span is back-dated to when the call began.
+        span = self._open.get()
+        opened = span is None
         start = round(event.started * 1e9)
         end = start + round(event.duration * 1e9)
-        span = self._tracer.start_span(
-            f"twiceshy {event.tool}",
-            kind=trace.SpanKind.INTERNAL,
-            attributes=attributes,
-            start_time=start,
-        )
+        if span is None:
+            # Told without ``around``: a span back-dated to when the call began.
+            span = self._tracer.start_span(
+                f"twiceshy {event.tool}",
+                kind=trace.SpanKind.INTERNAL,
+                attributes=attributes,
+                start_time=start,
+            )
+        else:
+            span.set_attributes(attributes)
+            end = time.time_ns()
         if event.error is not None:
             # Escaped: the caller got it, the span's operation did not handle it.
             span.record_exception(event.error, timestamp=end, escaped=True)
             span.set_status(
                 trace.Status(trace.StatusCode.ERROR, f"{type(event.error).__name__}: {event.error}")
             )
-        span.end(end_time=end)
+        if opened:
+            span.end(end_time=end)
         self._calls.add(1, labels)
         self._duration.record(event.duration, labels)
 
