@@ -421,6 +421,37 @@ def test_safe_tool_retries_transient_errors_and_is_not_recorded(
     assert store.records("") == []
 
 
+def test_safe_tool_is_not_retried_on_its_own_answers(ledger: twiceshy.Ledger) -> None:
+    """An unrecorded SAFE call retries only ambiguous errors, as a recorded call reads them."""
+    runs: list[str] = []
+
+    class Missing(Exception):
+        """The record looked up does not exist: a certain answer."""
+
+    class Busy(Exception):
+        """The service refused before doing anything."""
+
+    @ledger.tool(
+        effect=twiceshy.SAFE, attempts=3, backoff=no_backoff, definite=[Missing], not_applied=[Busy]
+    )
+    def lookup(kind: str) -> str:
+        runs.append(kind)
+        if kind == "missing":
+            raise Missing(kind)
+        if kind == "busy":
+            raise Busy(kind)
+        if kind == "refused":
+            raise twiceshy.NotApplied(kind)
+        raise TimeoutError(kind)
+
+    for kind, error in (("missing", Missing), ("busy", Busy), ("refused", twiceshy.NotApplied)):
+        with pytest.raises(error):
+            lookup(kind)
+    with pytest.raises(TimeoutError):
+        lookup("slow")
+    assert runs == ["missing", "busy", "refused", "slow", "slow", "slow"]
+
+
 def test_safe_tool_with_record_replays(ledger: twiceshy.Ledger) -> None:
     """A SAFE tool with record=True replays within a run."""
     runs: list[int] = []

@@ -247,12 +247,13 @@ class _Kind(enum.Enum):
     AMBIGUOUS = "ambiguous"
 
 
-def _classify(plan: CallPlan, error: BaseException) -> _Kind:
+def _classify(policy: Policy, error: BaseException) -> _Kind:
+    """What a tool's exception says about its effect (DESIGN.md §4), recorded or not."""
     if isinstance(error, NotApplied) or (
-        plan.policy.not_applied and isinstance(error, plan.policy.not_applied)
+        policy.not_applied and isinstance(error, policy.not_applied)
     ):
         return _Kind.NOT_APPLIED
-    if plan.policy.definite and isinstance(error, plan.policy.definite):
+    if policy.definite and isinstance(error, policy.definite):
         return _Kind.DEFINITE
     return _Kind.AMBIGUOUS
 
@@ -410,7 +411,7 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
                 )
             )
             return (True, ran.value, snap) if snap.won else (False, None, snap)
-        kind = _classify(plan, error)
+        kind = _classify(plan.policy, error)
         if kind is _Kind.NOT_APPLIED:
             snap = yield Write(
                 _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
@@ -490,17 +491,19 @@ def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, 
 
 
 def retry_only(policy: Policy) -> Protocol:
-    """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors."""
+    """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors.
+
+    The tool's exceptions are read as for a recorded call: a certain failure (``definite=``) and
+    "nothing happened" (``NotApplied``, ``not_applied=``) are the tool's answer, raised at once;
+    only an ambiguous error is retried.
+    """
     attempt = 1
     while True:
         ran: Ran = yield Run(0, attempt)
         if ran.error is None:
             return ran.value
         error = ran.error
-        permanent = isinstance(error, NotApplied) or (
-            policy.definite and isinstance(error, policy.definite)
-        )
-        if permanent or attempt >= policy.attempts:
+        if _classify(policy, error) is not _Kind.AMBIGUOUS or attempt >= policy.attempts:
             raise error
         yield Sleep(policy.backoff(attempt))
         attempt += 1
