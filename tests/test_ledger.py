@@ -20,6 +20,7 @@ import pytest
 
 import twiceshy
 from twiceshy.stores import Store
+from twiceshy.stores.memory import MemoryStore
 
 
 @pytest.fixture
@@ -1007,3 +1008,70 @@ def test_unsafe_owner_finishing_late_resolves_the_doubt(store: Store, clock: Any
     with twiceshy.run("run-34"):
         assert other() == "sent by late"
     assert runs == ["late"]
+
+
+class StallingClaims(MemoryStore):
+    """A memory store whose next claim answers only after ``stall`` seconds (a paused caller)."""
+
+    stall = 0.0
+
+    def claim(self, namespace: str, key: str, **options: Any) -> twiceshy.Snapshot:
+        snap = super().claim(namespace, key, **options)
+        stall, self.stall = self.stall, 0.0
+        time.sleep(stall)
+        return snap
+
+
+@pytest.mark.parametrize("effect", [twiceshy.KEYED, twiceshy.SAFE])
+def test_an_owner_past_its_trusted_lease_renews_before_running(effect: twiceshy.Effect) -> None:
+    """A claim answered after its lease lapsed, and taken over meanwhile, never runs the work."""
+    store = StallingClaims()
+    runs: list[str] = []
+
+    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
+        options: dict[str, Any] = {"record": True} if effect is twiceshy.SAFE else {}
+
+        @ledger.tool(effect=effect, name="charge", lease=0.2, **options)
+        def charge(amount: int) -> str:
+            runs.append(who)
+            return who
+
+        return charge
+
+    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
+    other = tool_of(twiceshy.Ledger(store=store), "other")
+    answers: list[str] = []
+
+    def call_stalled() -> None:
+        with twiceshy.run("run-trust"):
+            answers.append(stalled(1))
+
+    store.stall = 0.6
+    thread = threading.Thread(target=call_stalled)
+    thread.start()
+    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
+    with twiceshy.run("run-trust"):
+        assert other(1) == "other"  # takes the lapsed lease over and runs
+    thread.join(10)
+    assert runs == ["other"]
+    assert answers == ["other"]  # the stalled owner renewed, was fenced out, and replayed
+
+
+def test_an_owner_within_its_trusted_lease_runs_without_renewing() -> None:
+    """A claim answered in time runs at once: one claim and one outcome write, no renewal."""
+    writes: list[twiceshy.Change] = []
+
+    class Counting(MemoryStore):
+        def write(self, namespace: str, key: str, change: twiceshy.Change) -> twiceshy.Snapshot:
+            writes.append(change)
+            return super().write(namespace, key, change)
+
+    ledger = twiceshy.Ledger(store=Counting())
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> int:
+        return amount
+
+    with twiceshy.run("run-trust-2"):
+        assert charge(5) == 5
+    assert [w.to for w in writes] == [twiceshy.State.SUCCEEDED]

@@ -84,6 +84,13 @@ TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
 MAX_STEPS: Final = 100
 """A bound on the protocol's rounds that are not waits; reaching it is a store fault."""
 
+LEASE_TRUST: Final = 0.5
+"""The part of a new lease an owner trusts, on its own monotonic clock from before it asked.
+
+Past that, before running the work, it renews the lease first (DESIGN.md §3: the owner stops
+trusting its lease before the store would let it lapse).
+"""
+
 
 def _change(
     actor: Actor, record: Record, to: State, *, also_from: frozenset[State] = frozenset(), **kw: Any
@@ -291,6 +298,9 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
 def protect(plan: CallPlan) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error."""
     wait_until: float | None = None  # set when the call first finds the intent running
+    # When the last command that could make this call the owner was sent (monotonic): the lease
+    # it grants is trusted from then, never from when the answer came back.
+    sent: float = yield Now()
     snap: Snapshot = yield Claim()
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
@@ -298,10 +308,12 @@ def protect(plan: CallPlan) -> Protocol:
         record = snap.record
         if record is None:
             # The record expired between two commands: claim afresh.
+            sent = yield Now()
             snap = yield Claim()
             continue
         if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
-            done, value, snap = yield from _own(plan, record)
+            remaining = (record.lease_deadline or snap.now) - snap.now
+            done, value, snap = yield from _own(plan, record, sent + LEASE_TRUST * remaining)
             if done:
                 return value
             continue
@@ -319,6 +331,7 @@ def protect(plan: CallPlan) -> Protocol:
             yield Note(settled)
             raise _replay_error(plan, record.error)
         if state is State.RELEASED:
+            sent = yield Now()
             snap = yield Write(
                 _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
             )
@@ -332,6 +345,7 @@ def protect(plan: CallPlan) -> Protocol:
                 )
                 continue
             if lapsed:
+                sent = yield Now()
                 snap = yield Write(
                     _change(
                         Actor.CALLER,
@@ -364,20 +378,37 @@ def protect(plan: CallPlan) -> Protocol:
                 continue
         if plan.policy.effect is Effect.UNSAFE:
             raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
+        sent = yield Now()
         snap = yield Write(
             _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
         )
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
 
 
-def _own(plan: CallPlan, record: Record) -> Generator[Command, Any, tuple[bool, Any, Snapshot]]:
+def _own(
+    plan: CallPlan, record: Record, trusted_until: float
+) -> Generator[Command, Any, tuple[bool, Any, Snapshot]]:
     """Run the work as the owner of ``record.fence``; record its outcome.
+
+    ``trusted_until`` is when this owner stops trusting its lease (monotonic). A SAFE or KEYED
+    owner past it renews the lease before the work starts, so that it never runs beside a caller
+    that took the lapsed lease over; an UNSAFE one runs anyway, since nobody else ever runs it.
 
     Returns ``(True, value, snap)`` when this call's own outcome stands, or ``(False, None, snap)``
     when a write was fenced out: the caller then follows the record's real outcome in ``snap``.
     """
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
+    if plan.policy.effect is not Effect.UNSAFE:
+        now = yield Now()
+        if now >= trusted_until:
+            snap = yield Write(
+                _change(Actor.OWNER, record, _C, owner=plan.owner, lease=plan.policy.lease)
+            )
+            if not snap.won:
+                return False, None, snap
+            assert snap.record is not None
+            record = snap.record
     while True:
         ran: Ran = yield Run(record.fence, attempt)
         error = ran.error
