@@ -173,6 +173,20 @@ def wake_up(ledger: twiceshy.Ledger, trials: int) -> float:
     return statistics.median(delays) / 1e6
 
 
+def measure_full(
+    run: Run,
+    first: Callable[[int], object],
+    replay: Callable[[int], object],
+    floor_first: Callable[[int], object],
+    floor_read: Callable[[int], object],
+) -> dict[str, float]:
+    """The first call, the replay and their floors again, once the store is full."""
+    full = run.interleave(
+        {"first": first, "replay": replay, "floor first": floor_first, "floor read": floor_read}
+    )
+    return {f"{name} full": value for name, value in full.items()}
+
+
 def postgres(run: Run, records: int) -> dict[str, float]:
     """Measure the PostgreSQL ledger and its floor."""
     schema = f"twiceshy_bench_{secrets.token_hex(4)}"
@@ -231,8 +245,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
             (records,),
         )
         conn.execute(f"ANALYZE {schema}.records")
-        full = run.interleave({"first": first, "replay": replay})
-        out["first full"], out["replay full"] = full["first"], full["replay"]
+        out.update(measure_full(run, first, replay, floor_first, floor_read))
     finally:
         ledger.close()
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
@@ -316,8 +329,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
             if i % 10_000 == 9_999:
                 pipe.execute()
         pipe.execute()
-        full = run.interleave({"first": first, "replay": replay})
-        out["first full"], out["replay full"] = full["first"], full["replay"]
+        out.update(measure_full(run, first, replay, floor_first, floor_read))
     finally:
         ledger.close()
         for batch in _batches(client.scan_iter(match=f"{prefix}*", count=10_000)):
@@ -390,18 +402,23 @@ def main() -> None:
     print(f"median per call in microseconds; {run.rounds} rounds of {run.calls} calls per case")
     header = (
         f"{'store':<9} {'call':<7} {'twiceshy':>9} {'floor':>7} {'ratio':>6}"
-        f" {'trivial':>8} {'ratio':>6} {f'@{records:,}':>12}"
+        f" {'trivial':>8} {'ratio':>6} {f'@{records:,}':>12} {'floor':>7} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        for call, ours, floor, trivial, full in (
-            ("first", r["first"], r["floor first"], r["trivial first"], r["first full"]),
-            ("replay", r["replay"], r["floor read"], r["trivial read"], r["replay full"]),
-        ):
+        for call, floor_name in (("first", "floor first"), ("replay", "floor read")):
+            ours, floor, full, full_floor = (
+                r[call],
+                r[floor_name],
+                r[f"{call} full"],
+                r[f"{floor_name} full"],
+            )
+            trivial = r["trivial first" if call == "first" else "trivial read"]
             print(
                 f"{name:<9} {call:<7} {ours:>9.0f} {floor:>7.0f} {ours / floor:>6.2f}"
-                f" {trivial:>8.0f} {ours / trivial:>6.2f} {full:>12.0f}"
+                f" {trivial:>8.0f} {ours / trivial:>6.2f} {full:>12.0f} {full_floor:>7.0f}"
+                f" {full / full_floor:>6.2f}"
             )
     print(
         "floor: the same round trips writing and reading the same rows as the ledger (a table of"

@@ -33,6 +33,7 @@ from twiceshy.stores.postgres import (
     AsyncPostgresStore,
     PostgresStore,
     _ConnectionLost,
+    _Statements,
     _write_op,
     open_postgres,
 )
@@ -124,16 +125,104 @@ def test_lease_deadline_is_on_the_server_clock(pg: tuple[str, str]) -> None:
 
 
 def test_schema_version_is_checked(pg: tuple[str, str]) -> None:
-    """The meta table records schema version 1; another version is refused with StoreError."""
+    """The meta table records schema version 2; a version this twiceshy does not know is refused."""
     url, schema = pg
     PostgresStore(url, schema=schema, table="ledger").close()
     with psycopg.connect(url, autocommit=True) as conn:
         meta = sql.Identifier(schema, "ledger_meta")
         row = conn.execute(sql.SQL("SELECT value FROM {}").format(meta)).fetchone()
-        assert row == ("1",)
-        conn.execute(sql.SQL("UPDATE {} SET value = '2'").format(meta))
-    with pytest.raises(StoreError, match="schema version"):
+        assert row == ("2",)
+        conn.execute(sql.SQL("UPDATE {} SET value = '3'").format(meta))
+    with pytest.raises(StoreError, match="schema version '3'"):
         PostgresStore(url, schema=schema, table="ledger")
+
+
+_VERSION_1 = """
+CREATE SCHEMA {schema};
+CREATE TABLE {meta} (name text PRIMARY KEY, value text NOT NULL);
+INSERT INTO {meta} VALUES ('schema_version', '1');
+CREATE TABLE {t} (
+    namespace text NOT NULL, key text NOT NULL, fingerprint text NOT NULL, tool text NOT NULL,
+    effect text NOT NULL, state text NOT NULL, fence bigint NOT NULL, owner text NOT NULL,
+    lease_deadline double precision, attempts integer NOT NULL, result text, error text,
+    reason text, created_at double precision NOT NULL, updated_at double precision NOT NULL,
+    expires_at double precision, PRIMARY KEY (namespace, key)
+);
+CREATE INDEX ledger_by_created ON {t} (namespace, created_at);
+CREATE INDEX ledger_by_expiry ON {t} (expires_at) WHERE expires_at IS NOT NULL;
+INSERT INTO {t} VALUES ('', 'k1', 'fp', 'charge', 'keyed', 'succeeded', 1, 'o', NULL, 1,
+    '{{"id": "ch_1"}}', NULL, NULL, 1.0, 1.0, NULL);
+"""
+
+
+def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str]) -> None:
+    """Opening a version 1 table moves it to version 2: new listing index, counts, same records."""
+    url, schema = pg
+    names = {
+        "schema": sql.Identifier(schema),
+        "meta": sql.Identifier(schema, "ledger_meta"),
+        "t": sql.Identifier(schema, "ledger"),
+    }
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL(_VERSION_1).format(**names))
+    store = PostgresStore(url, schema=schema, table="ledger")
+    try:
+        record = store.get("", "k1").record
+        assert record is not None
+        assert (record.state, record.result) == (State.SUCCEEDED, '{"id": "ch_1"}')
+        store.add_counts("", {("charge", "replayed"): 2})
+        assert store.counts("") == {("charge", "replayed"): 2}
+    finally:
+        store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        version = conn.execute(sql.SQL("SELECT value FROM {meta}").format(**names)).fetchone()
+        indexes = {
+            row[0]
+            for row in conn.execute(
+                "SELECT indexname FROM pg_indexes WHERE schemaname = %s AND tablename = 'ledger'",
+                (schema,),
+            )
+        }
+    assert version == ("2",)
+    assert indexes == {"ledger_pkey", "ledger_by_time", "ledger_by_expiry"}
+    PostgresStore(url, schema=schema, table="ledger").close()  # opening it again changes nothing
+
+
+def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str]) -> None:
+    """A claim planned while the table was empty still finds records by key once it has grown."""
+    url, schema = pg
+    PostgresStore(url, schema=schema).close()
+    st = _Statements.build(schema, "records")
+    with psycopg.connect(url, autocommit=True, prepare_threshold=0) as conn:
+        # The plan is made on the empty table and kept, as a pooled connection keeps it.
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        for i in range(300):
+            params = {
+                "namespace": "",
+                "key": f"k{i}",
+                "fingerprint": "f",
+                "tool": "t",
+                "effect": "keyed",
+                "owner": "o",
+                "lease": 30.0,
+                "now": None,
+            }
+            conn.execute(st.claim, params).fetchall()
+        (name,) = conn.execute(
+            "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+            ("%INSERT INTO%",),
+        ).fetchone() or ("",)
+        plan = "\n".join(
+            row[0]
+            for row in conn.execute(
+                sql.SQL("EXPLAIN EXECUTE {}(NULL, '', 'k7', 'f', 't', 'keyed', 'o2', 30.0)").format(
+                    sql.Identifier(name)
+                )
+            ).fetchall()
+        )
+    scans = [line.strip() for line in plan.splitlines() if "Scan using" in line]
+    assert scans
+    assert all(scan.startswith("->  Index Scan using records_pkey") for scan in scans), plan
 
 
 def test_url_parameters_choose_schema_table_and_application(pg: tuple[str, str]) -> None:

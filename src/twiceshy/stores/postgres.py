@@ -93,7 +93,10 @@ from ..errors import StoreError, StoreUnavailable
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "open_postgres"]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+"""The table layout this version reads. Version 1 had the listing index on (namespace,
+created_at), which the planner could pick for a key lookup on a young table (scanning the whole
+namespace); version 2 lists by (created_at) alone, so only the primary key serves a lookup."""
 
 # --------------------------------------------------------------------------------------------
 # SQL. Every statement the stores run is here. Values are always bound; the schema, table and
@@ -156,7 +159,7 @@ CREATE TABLE IF NOT EXISTS {{t}} (
     expires_at     double precision,
     PRIMARY KEY (namespace, key)
 );
-CREATE INDEX IF NOT EXISTS {{by_created}} ON {{t}} (namespace, created_at);
+CREATE INDEX IF NOT EXISTS {{by_time}} ON {{t}} (created_at);
 CREATE INDEX IF NOT EXISTS {{by_expiry}} ON {{t}} (expires_at) WHERE expires_at IS NOT NULL;
 CREATE TABLE IF NOT EXISTS {{counts}} (
     namespace text   NOT NULL,
@@ -169,6 +172,17 @@ COMMIT;
 """
 
 _SELECT_VERSION: Final = "SELECT value FROM {meta} WHERE name = 'schema_version'"
+
+# Version 1 to 2: the listing index no longer leads with the namespace (see SCHEMA_VERSION), and
+# the call counts table (created by _CREATE's IF NOT EXISTS before this runs).
+_MIGRATE_1_2: Final = f"""
+BEGIN;
+SELECT pg_advisory_xact_lock({_SCHEMA_LOCK});
+DROP INDEX IF EXISTS {{old_by_created}};
+CREATE INDEX IF NOT EXISTS {{by_time}} ON {{t}} (created_at);
+UPDATE {{meta}} SET value = '2' WHERE name = 'schema_version' AND value = '1';
+COMMIT;
+"""
 
 # Claim in one statement. ``cur`` reads the key's record in the statement's snapshot; only when
 # it shows no live record is the INSERT attempted, so a replay is a plain read (no row lock, no
@@ -334,6 +348,7 @@ class _Statements:
     exists: bytes
     create: bytes
     version: bytes
+    migrate_1_2: bytes
     claim: bytes
     write: bytes
     get: bytes
@@ -362,7 +377,8 @@ class _Statements:
             "t": sql.Identifier(schema, table),
             "meta": sql.Identifier(schema, f"{table}_meta"),
             "counts": sql.Identifier(schema, f"{table}_counts"),
-            "by_created": sql.Identifier(f"{table}_by_created"),
+            "by_time": sql.Identifier(f"{table}_by_time"),
+            "old_by_created": sql.Identifier(schema, f"{table}_by_created"),
             "by_expiry": sql.Identifier(f"{table}_by_expiry"),
             "channel": sql.Identifier(channel),
         }
@@ -380,6 +396,7 @@ class _Statements:
             exists=render(_EXISTS),
             create=render(_CREATE, bound=False),
             version=render(_SELECT_VERSION, bound=False),
+            migrate_1_2=render(_MIGRATE_1_2, bound=False),
             claim=render(_CLAIM),
             write=render(_WRITE),
             get=render(_GET),
@@ -534,6 +551,10 @@ def _schema_op(st: _Statements) -> _Op[None]:
         yield _Step(st.create, rows=False)
     rows = yield _Step(st.version)
     found = rows[0][0] if rows else None
+    if found == "1":
+        yield _Step(st.migrate_1_2, rows=False)
+        rows = yield _Step(st.version)
+        found = rows[0][0] if rows else None
     if found != str(SCHEMA_VERSION):
         raise StoreError(
             f"PostgreSQL ledger {st.names['t']} has schema version {found!r}; this twiceshy "
