@@ -137,3 +137,26 @@ def test_a_failed_flush_at_close_is_logged_not_raised(caplog: pytest.LogCaptureF
         shop(ledger)(1)
     ledger.close()
     assert "could not add call counts" in caplog.text
+
+
+def test_the_flushing_thread_ends_when_idle_and_starts_again() -> None:
+    """With no calls for a few intervals the thread ends; the next call starts one again."""
+    store = MemoryStore()
+    ledger = twiceshy.Ledger(store=store, counts_interval=0.02)
+    charge = shop(ledger)
+
+    def flushers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "twiceshy-counts" and t.is_alive()]
+
+    before = len(flushers())
+    with twiceshy.run("run-7"):
+        charge(1)
+    deadline = time.monotonic() + 10
+    while store.counts("") != {("charge", "executed"): 1} or len(flushers()) > before:
+        assert time.monotonic() < deadline, (store.counts(""), flushers())
+        time.sleep(0.01)
+    with twiceshy.run("run-7"):
+        charge(1)
+    while store.counts("") != {("charge", "executed"): 1, ("charge", "replayed"): 1}:
+        assert time.monotonic() < deadline, store.counts("")
+        time.sleep(0.01)

@@ -25,6 +25,8 @@ __all__ = ["Tally"]
 
 log = logging.getLogger("twiceshy")
 
+_IDLE_ROUNDS = 3  # intervals without a call before the flushing thread ends
+
 
 class Tally:
     """One ledger's call counts, flushed to its store.
@@ -106,7 +108,18 @@ class Tally:
             log.warning("twiceshy: could not add call counts to the ledger", exc_info=True)
 
     def _loop(self) -> None:
+        idle = 0
         while not self._wake.wait(self._interval):
             if self._pid != os.getpid():
                 return
+            with self._lock:
+                if not self._counts:
+                    idle += 1
+                    if idle >= _IDLE_ROUNDS:
+                        # No calls for a while: end the thread; the next call starts another.
+                        if self._thread is threading.current_thread():
+                            self._thread = None
+                        return
+                    continue
+            idle = 0
             self._flush_logged()
