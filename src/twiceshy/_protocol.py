@@ -416,33 +416,23 @@ def _own(
             try:
                 text = plan.policy.codec.encode(ran.value)
             except ResultNotStorable as exc:
+                # It ran, and its result cannot be kept: a certain failure, replayed as such.
+                error, kind = exc, _Kind.DEFINITE
+            else:
                 snap = yield Write(
                     _change(
                         Actor.OWNER,
                         record,
-                        _F,
+                        _S,
                         also_from=finish_from,
                         owner=plan.owner,
-                        error=encode_error(exc),
+                        result=text,
                         ttl=plan.policy.ttl,
                     )
                 )
-                if snap.won:
-                    raise exc
-                return False, None, snap
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _S,
-                    also_from=finish_from,
-                    owner=plan.owner,
-                    result=text,
-                    ttl=plan.policy.ttl,
-                )
-            )
-            return (True, ran.value, snap) if snap.won else (False, None, snap)
-        kind = _classify(plan.policy, error)
+                return (True, ran.value, snap) if snap.won else (False, None, snap)
+        else:
+            kind = _classify(plan.policy, error)
         if kind is _Kind.NOT_APPLIED:
             snap = yield Write(
                 _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
