@@ -131,8 +131,8 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         ledger: where intents are claimed and outcomes kept.
         effects: each tool's effect class by tool name (``twiceshy.SAFE``, ``KEYED``,
             ``UNSAFE``), or a :class:`twiceshy.Guard` of that name for more options (attempts,
-            ``key_args=``, ``reconcile=``...; it keeps its own ledger, and must list
-            ``pydantic_ai.ToolFailed`` in its ``definite=``). Wins over the tool's metadata.
+            ``key_args=``, ``reconcile=``...; it keeps its own ledger, and ``ToolFailed`` is
+            added to its ``definite=`` types). Wins over the tool's metadata.
         default: the effect class of tools neither in ``effects`` nor carrying one in their
             metadata (``metadata={"twiceshy": "keyed"}``). Without it, calling such a tool raises
             :class:`EffectNotDeclared`.
@@ -141,8 +141,7 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
 
     Raises:
         TypeError: the ledger, an effect or the default is of the wrong kind.
-        ValueError: a tool name is not usable in keys, or a guard is named after another tool or
-            does not treat ``ToolFailed`` as a certain failure.
+        ValueError: a tool name is not usable in keys, or a guard is named after another tool.
     """
 
     ledger: Ledger
@@ -168,10 +167,8 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 if effect.name != name:
                     raise ValueError(f"the guard for the tool {name!r} is named {effect.name!r}")
                 if not any(issubclass(ToolFailed, kind) for kind in effect.policy.definite):
-                    raise ValueError(
-                        f"the guard for the tool {name!r} must list pydantic_ai.ToolFailed in its "
-                        "definite= types: a ToolFailed is a certain failure, to be replayed"
-                    )
+                    # A ToolFailed is a certain failure, to be replayed.
+                    effect = effect.with_errors(definite=(ToolFailed,))
                 guards[name] = effect
             elif isinstance(effect, Effect):
                 guards[name] = _guard(ledger, name, effect)
