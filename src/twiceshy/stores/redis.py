@@ -348,6 +348,9 @@ def _text(value: bytes | str) -> str:
 
 
 def _quote(text: str) -> str:
+    # Keys are hex digests: letters and digits are never quoted, and the check is much cheaper.
+    if text.isascii() and text.isalnum():
+        return text
     return quote(text, safe="")
 
 
