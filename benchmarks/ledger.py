@@ -46,7 +46,7 @@ def median_us(times: list[int]) -> float:
 RESULT = {"id": "ch_1", "amount": 4900, "customer": "cus_1"}
 """What the benchmarked tool returns, and what the floor stores as its result."""
 
-Case = tuple[Callable[[int], object], Callable[[int], object], Callable[[], None]]
+Case = tuple[Callable[[int], object] | None, Callable[[int], object], Callable[[], None]]
 
 
 def protected(url: str) -> Case:
@@ -123,20 +123,55 @@ def floor(path: Path, journal_mode: str, synchronous: str) -> Case:
     return two_transactions, one_read, conn.close
 
 
+def by_hand(path: Path) -> Case:
+    """(no first call, the least a replay can do in Python, close), on a file like the floor's.
+
+    The replay names the intent with ``json.dumps(sort_keys=True)`` and SHA-256 (cheaper than
+    any canonical form), reads the result column by primary key and decodes it: what a hand-written
+    replay needs at the very least, without binding, fingerprints, states or leases.
+    """
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statement in SCHEMA:
+        conn.execute(statement)
+    arguments = {"amount": 4900, "customer": "cus_1"}
+
+    def name(scope: str) -> str:
+        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(f"{scope}:charge:{text}".encode()).hexdigest()
+
+    conn.execute(
+        "INSERT INTO twiceshy_records VALUES ('', ?, 'f', 'charge', 'keyed', 'succeeded', 1, 'o',"
+        " NULL, 1, ?, NULL, NULL, 0, 0, NULL)",
+        (name("bench-replay"), json.dumps(RESULT)),
+    )
+    read = "SELECT result FROM twiceshy_records WHERE namespace = '' AND key = ?"
+
+    def replay(i: int) -> object:
+        row = conn.execute(read, (name("bench-replay"),)).fetchone()
+        return json.loads(row[0])
+
+    return None, replay, conn.close
+
+
 def measure(cases: dict[str, Case], rounds: int, calls: int) -> dict[str, tuple[float, float]]:
     """Median (first call, replay) per case, the cases taking turns round by round."""
     firsts: dict[str, list[int]] = {name: [] for name in cases}
     replays: dict[str, list[int]] = {name: [] for name in cases}
     for first, replay, _ in cases.values():  # warm up
-        timed(first, 5, [])
+        if first is not None:
+            timed(first, 5, [])
         timed(replay, 20, [])
     for _ in range(rounds):
         for name, (first, replay, _) in cases.items():
-            timed(first, calls, firsts[name])
+            if first is not None:
+                timed(first, calls, firsts[name])
             timed(replay, calls * 4, replays[name])
     for _, _, close in cases.values():
         close()
-    return {name: (median_us(firsts[name]), median_us(replays[name])) for name in cases}
+    return {
+        name: (median_us(firsts[name]) if firsts[name] else 0.0, median_us(replays[name]))
+        for name in cases
+    }
 
 
 def main() -> None:
@@ -158,11 +193,13 @@ def main() -> None:
                 "memory": protected("memory://"),
                 "sqlite": protected(f"sqlite:///{tmp}/ledger.db?synchronous={sync}"),
                 "floor": floor(Path(tmp) / "floor.db", mode, sync),
+                "by hand": by_hand(Path(tmp) / "by_hand.db"),
             },
             rounds,
             calls,
         )
     floor_first, floor_read = results["floor"]
+    _, hand_read = results["by hand"]
     print(
         f"median per call in microseconds; {rounds} rounds of {calls} first calls and "
         f"{calls * 4} replays, the cases taking turns"
@@ -180,6 +217,10 @@ def main() -> None:
         f"{f'sqlite:/// ({mode} journal, synchronous={sync})':<36} {first:>10.1f}"
         f" {floor_first:>8.1f} {first / floor_first:>6.2f}"
         f" {replay:>8.1f} {floor_read:>8.1f} {replay / floor_read:>6.2f}"
+    )
+    print(
+        f"\nreplay by hand (json.dumps + SHA-256, one SELECT of the result, json.loads):"
+        f" {hand_read:.1f}; twiceshy's SQLite replay is {replay / hand_read:.2f}x that"
     )
 
 
