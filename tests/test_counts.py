@@ -160,3 +160,18 @@ def test_the_flushing_thread_ends_when_idle_and_starts_again() -> None:
     while store.counts("") != {("charge", "executed"): 1, ("charge", "replayed"): 1}:
         assert time.monotonic() < deadline, store.counts("")
         time.sleep(0.01)
+
+
+def test_counts_a_store_keeps_refusing_are_dropped_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After three failed flushes in a row the pending counts go, and the thread can end."""
+    ledger = twiceshy.Ledger(store=FailingCounts(), counts_interval=0.02)
+    with twiceshy.run("run-8"):
+        shop(ledger)(1)
+    deadline = time.monotonic() + 10
+    while ledger.counts():
+        assert time.monotonic() < deadline, ledger.counts()
+        time.sleep(0.01)
+    assert "dropped the counts of 1 calls after 3 failed flushes" in caplog.text
+    assert caplog.text.count("could not add call counts") >= 3

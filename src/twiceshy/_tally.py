@@ -6,8 +6,9 @@ more, so ``twiceshy stats`` sums what every process sharing the ledger did: how 
 were answered by a replay or a join instead of a second run.
 
 The counts are for operators, not for the protocol: a process that dies loses the counts of its
-last interval, and a flush whose reply was lost (the store may have applied it) is counted
-again at the next one.
+last interval, a flush whose reply was lost (the store may have applied it) is counted again at
+the next one, and after three failed flushes in a row the pending counts are dropped (with a
+warning) rather than kept and retried forever.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = ["Tally"]
 log = logging.getLogger("twiceshy")
 
 _IDLE_ROUNDS = 3  # intervals without a call before the flushing thread ends
+_FAILURES = 3  # failed flushes in a row before the pending counts are dropped
 
 
 class Tally:
@@ -101,14 +103,24 @@ class Tally:
             thread.join(self._interval + 5.0)
         self._flush_logged()
 
-    def _flush_logged(self) -> None:
+    def _flush_logged(self) -> bool:
+        """Flush; a store error is logged. Answers whether the flush went through."""
         try:
             self.flush()
         except StoreError:
             log.warning("twiceshy: could not add call counts to the ledger", exc_info=True)
+            return False
+        return True
+
+    def _drop(self) -> None:
+        with self._lock:
+            dropped, self._counts = sum(self._counts.values()), {}
+        log.warning(
+            "twiceshy: dropped the counts of %d calls after %d failed flushes", dropped, _FAILURES
+        )
 
     def _loop(self) -> None:
-        idle = 0
+        idle = failed = 0
         while not self._wake.wait(self._interval):
             if self._pid != os.getpid():
                 return
@@ -122,4 +134,12 @@ class Tally:
                         return
                     continue
             idle = 0
-            self._flush_logged()
+            if self._flush_logged():
+                failed = 0
+                continue
+            failed += 1
+            if failed >= _FAILURES:
+                # Counts are for operators: a store that keeps failing (or was closed under the
+                # ledger) must not make this thread warn forever.
+                self._drop()
+                failed = 0
