@@ -14,11 +14,17 @@ from twiceshy.stores import CallCounts, Store
 from twiceshy.stores.memory import MemoryStore
 
 
-def shop(ledger: twiceshy.Ledger, gate: threading.Event | None = None) -> Any:
-    """A KEYED charge tool that waits for ``gate`` when given one."""
+def shop(
+    ledger: twiceshy.Ledger,
+    gate: threading.Event | None = None,
+    started: threading.Event | None = None,
+) -> Any:
+    """A KEYED charge tool that says when it started and waits for ``gate`` when given them."""
 
     @ledger.tool(effect=twiceshy.KEYED)
     def charge(amount: int) -> dict[str, int]:
+        if started is not None:
+            started.set()
         if gate is not None:
             gate.wait(10)
         return {"amount": amount}
@@ -26,12 +32,12 @@ def shop(ledger: twiceshy.Ledger, gate: threading.Event | None = None) -> Any:
     return charge
 
 
-def test_close_adds_the_calls_to_the_store(store: Store) -> None:
-    """A first call, its replays and a joined duplicate are in the store once the ledger closes."""
+def test_a_flush_adds_the_calls_to_the_store(store: Store) -> None:
+    """A first call, its replays and a joined duplicate are in the store after a flush."""
     assert isinstance(store, CallCounts)
     ledger = twiceshy.Ledger(store=store, namespace="shop")
-    gate = threading.Event()
-    charge = shop(ledger, gate)
+    gate, started = threading.Event(), threading.Event()
+    charge = shop(ledger, gate, started)
 
     def call() -> None:
         with twiceshy.run("run-1"):
@@ -39,10 +45,7 @@ def test_close_adds_the_calls_to_the_store(store: Store) -> None:
 
     first = threading.Thread(target=call)
     first.start()
-    deadline = time.monotonic() + 10
-    while not ledger._flights._flights:  # the first call is running
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    assert started.wait(10)  # the first call is running
     joined = threading.Thread(target=call)
     joined.start()
     time.sleep(0.05)
@@ -51,8 +54,8 @@ def test_close_adds_the_calls_to_the_store(store: Store) -> None:
     joined.join(10)
     call()
     call()
-    assert store.counts("shop") == {}  # nothing flushed before the interval or close
-    ledger._tally.close()  # type: ignore[union-attr] # close() would close the test's store
+    assert store.counts("shop") == {}  # nothing flushed before the interval or a flush
+    ledger.flush_counts()  # as close() does; close() would also close the test's store
     assert store.counts("shop") == {
         ("charge", "executed"): 1,
         ("charge", "joined"): 1,
@@ -175,3 +178,14 @@ def test_counts_a_store_keeps_refusing_are_dropped_with_a_warning(
         time.sleep(0.01)
     assert "dropped the counts of 1 calls after 3 failed flushes" in caplog.text
     assert caplog.text.count("could not add call counts") >= 3
+
+
+def test_close_adds_the_pending_counts() -> None:
+    """Closing a ledger adds what it counted since the last flush, before the store closes."""
+    ledger = twiceshy.Ledger(store=MemoryStore(), namespace="shop")
+    with twiceshy.run("run-9"):
+        shop(ledger)(5)
+    inner = ledger.store
+    ledger.close()
+    assert isinstance(inner, CallCounts)
+    assert inner.counts("shop") == {("charge", "executed"): 1}
