@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections.abc import Mapping
@@ -189,3 +190,36 @@ def test_close_adds_the_pending_counts() -> None:
     ledger.close()
     assert isinstance(inner, CallCounts)
     assert inner.counts("shop") == {("charge", "executed"): 1}
+
+
+def _child_calls() -> None:
+    """In a forked child: one replay on the inherited ledger, then close (flush)."""
+    ledger = _INHERITED[0]
+    with twiceshy.run("run-10"):
+        shop(ledger)(1)
+    ledger.close()
+
+
+_INHERITED: list[twiceshy.Ledger] = []
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_a_forked_child_counts_only_its_own_calls(tmp_path: Any) -> None:
+    """A child forked with pending counts flushes its own calls, never its parent's again."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = twiceshy.Ledger(url)
+    with twiceshy.run("run-10"):
+        shop(ledger)(1)  # executed, pending in the parent
+    _INHERITED[:] = [ledger]
+    child = multiprocessing.get_context("fork").Process(target=_child_calls)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    ledger.close()
+    reader = twiceshy.Ledger(url, counts_interval=None)
+    store = reader.store
+    assert isinstance(store, CallCounts)
+    assert store.counts("") == {("charge", "executed"): 1, ("charge", "replayed"): 1}
+    reader.close()
