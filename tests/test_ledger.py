@@ -1057,6 +1057,43 @@ def test_an_owner_past_its_trusted_lease_renews_before_running(effect: twiceshy.
     assert answers == ["other"]  # the stalled owner renewed, was fenced out, and replayed
 
 
+def test_an_unsafe_owner_past_its_trusted_lease_still_runs_once() -> None:
+    """Nobody else runs an UNSAFE tool: a stalled owner runs it and its outcome settles the doubt.
+
+    The caller that found the lapsed lease meanwhile is told the outcome is unknown.
+    """
+    store = StallingClaims()
+    runs: list[str] = []
+
+    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
+        @ledger.tool(effect=twiceshy.UNSAFE, name="wire", lease=0.2)
+        def wire(amount: int) -> str:
+            runs.append(who)
+            return who
+
+        return wire
+
+    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
+    other = tool_of(twiceshy.Ledger(store=store), "other")
+    answers: list[str] = []
+
+    def call_stalled() -> None:
+        with twiceshy.run("run-trust-3"):
+            answers.append(stalled(1))
+
+    store.stall = 0.6
+    thread = threading.Thread(target=call_stalled)
+    thread.start()
+    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
+    with twiceshy.run("run-trust-3"), pytest.raises(twiceshy.OutcomeUnknown):
+        other(1)
+    thread.join(10)
+    assert runs == ["stalled"]
+    assert answers == ["stalled"]
+    with twiceshy.run("run-trust-3"):
+        assert other(1) == "stalled"  # the late owner's outcome is the intent's
+
+
 def test_an_owner_within_its_trusted_lease_runs_without_renewing() -> None:
     """A claim answered in time runs at once: one claim and one outcome write, no renewal."""
     writes: list[twiceshy.Change] = []

@@ -126,7 +126,11 @@ class _Around:
 
 
 class _Seen:
-    """What one call's drive learned, for its event: when it began, its key, the last note."""
+    """What one call's drive learned, for its event: when it began, its key, the last note.
+
+    A call is EXECUTED unless something says otherwise: it joined a flight here, or the
+    protocol noted how it answered from the record (it notes only right before that answer).
+    """
 
     __slots__ = ("clock", "key", "outcome")
 
@@ -429,7 +433,6 @@ class Guard:
                 assert plan is not None  # an unrecorded call only runs and sleeps
                 answer = _store_op(store, command, plan)
             elif kind is Run:
-                seen.outcome = Outcome.EXECUTED
                 answer = self._run(work, plan, cast("Run", command))
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
@@ -519,7 +522,6 @@ class Guard:
                 assert plan is not None  # an unrecorded call only runs and sleeps
                 answer = await _store_op(store, command, plan)
             elif kind is Run:
-                seen.outcome = Outcome.EXECUTED
                 answer = await self._arun(work, plan, cast("Run", command))
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
@@ -665,25 +667,27 @@ class Ledger:
 
         An unknown outcome is always worth a warning, observed or not.
         """
+        outcome = _outcome_of(error, seen)
         if self._tally is not None:
-            self._tally.add(guard.name, seen.outcome if error is None else _outcome_of(error, seen))
-        if self._observers or log.isEnabledFor(logging.DEBUG) or isinstance(error, OutcomeUnknown):
+            self._tally.add(guard.name, outcome)
+        if self._observers or log.isEnabledFor(logging.DEBUG) or outcome is Outcome.UNKNOWN:
             duration = time.perf_counter() - seen.clock
-            self._tell(guard, seen, error, time.time() - duration, duration)
+            self._tell(guard, seen.key, error, outcome, time.time() - duration, duration)
 
     def _tell(
         self,
         guard: Guard,
-        seen: _Seen,
+        key: str | None,
         error: BaseException | None,
+        outcome: Outcome,
         started: float,
         duration: float,
     ) -> None:
         event = CallEvent(
             tool=guard.name,
             effect=guard.effect,
-            outcome=_outcome_of(error, seen),
-            key=seen.key,
+            outcome=outcome,
+            key=key,
             error=error,
             started=started,
             duration=duration,
@@ -721,7 +725,7 @@ class Ledger:
 
     def counts(self) -> dict[tuple[str, str], int]:
         """This process's call counts not yet added to the store, by ``(tool, outcome)``."""
-        return dict(self._tally.pending()) if self._tally is not None else {}
+        return self._tally.pending() if self._tally is not None else {}
 
     def flush_counts(self) -> None:
         """Add this process's pending call counts to the store now.

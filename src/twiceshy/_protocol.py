@@ -124,7 +124,11 @@ class Now:
 
 @dataclass(frozen=True, slots=True)
 class Note:
-    """Say how the call is being answered (for observers); answer: ``None``."""
+    """Say how the call is being answered (for observers); answer: ``None``.
+
+    Yielded only right before the protocol answers from the record; a call that noted nothing
+    was answered by running the tool (EXECUTED).
+    """
 
     outcome: Outcome
 
@@ -151,10 +155,7 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
-
-    A call that runs the tool is answered as :attr:`Outcome.EXECUTED`, whatever it noted before.
-    """
+    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`)."""
 
     fence: int
     attempt: int
@@ -298,18 +299,15 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
 def protect(plan: CallPlan) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error."""
     wait_until: float | None = None  # set when the call first finds the intent running
-    # When the last command that could make this call the owner was sent (monotonic): the lease
-    # it grants is trusted from then, never from when the answer came back.
-    sent: float = yield Now()
-    snap: Snapshot = yield Claim()
+    # ``sent``: when the last command that could make this call the owner was sent.
+    sent, snap = yield from _timed(Claim())
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
     for _ in range(MAX_STEPS):
         record = snap.record
         if record is None:
             # The record expired between two commands: claim afresh.
-            sent = yield Now()
-            snap = yield Claim()
+            sent, snap = yield from _timed(Claim())
             continue
         if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
             remaining = (record.lease_deadline or snap.now) - snap.now
@@ -331,9 +329,10 @@ def protect(plan: CallPlan) -> Protocol:
             yield Note(settled)
             raise _replay_error(plan, record.error)
         if state is State.RELEASED:
-            sent = yield Now()
-            snap = yield Write(
-                _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
+            sent, snap = yield from _timed(
+                Write(
+                    _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
+                )
             )
             continue
         if state is State.CLAIMED:
@@ -345,15 +344,16 @@ def protect(plan: CallPlan) -> Protocol:
                 )
                 continue
             if lapsed:
-                sent = yield Now()
-                snap = yield Write(
-                    _change(
-                        Actor.CALLER,
-                        record,
-                        _C,
-                        lapsed=True,
-                        new_owner=plan.owner,
-                        lease=plan.policy.lease,
+                sent, snap = yield from _timed(
+                    Write(
+                        _change(
+                            Actor.CALLER,
+                            record,
+                            _C,
+                            lapsed=True,
+                            new_owner=plan.owner,
+                            lease=plan.policy.lease,
+                        )
                     )
                 )
                 continue
@@ -378,11 +378,21 @@ def protect(plan: CallPlan) -> Protocol:
                 continue
         if plan.policy.effect is Effect.UNSAFE:
             raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
-        sent = yield Now()
-        snap = yield Write(
-            _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
+        sent, snap = yield from _timed(
+            Write(_change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease))
         )
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
+
+
+def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snapshot]]:
+    """Send a command that may make this call the owner: when it was sent, and its answer.
+
+    The lease it grants is trusted from when it was sent (monotonic), never from when the answer
+    came back: an answer can arrive late.
+    """
+    sent: float = yield Now()
+    snap: Snapshot = yield command
+    return sent, snap
 
 
 def _own(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
 
 from ._records import Outcome
 from .errors import StoreError
@@ -70,8 +69,8 @@ class Tally:
         self._wake = threading.Event()
         self._pid, self._counts, self._thread = os.getpid(), {}, None
 
-    def pending(self) -> Mapping[tuple[str, str], int]:
-        """The counts not yet added to the store."""
+    def pending(self) -> dict[tuple[str, str], int]:
+        """The counts not yet added to the store (a copy)."""
         with self._lock:
             return dict(self._counts)
 
@@ -122,8 +121,6 @@ class Tally:
     def _loop(self) -> None:
         idle = failed = 0
         while not self._wake.wait(self._interval):
-            if self._pid != os.getpid():
-                return
             with self._lock:
                 if not self._counts:
                     idle += 1

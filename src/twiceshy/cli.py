@@ -66,7 +66,8 @@ RESOLVE_ERROR_TYPE: Final = "twiceshy.resolve"
 _SHORT_KEY: Final = 12
 _NO_COUNTS: Final = "This ledger's store keeps no call counts."
 _COUNTS_NOTE: Final = (
-    "Each process adds its call counts every 10 s (counts_interval=) and when its ledger closes."
+    "Each process adds its call counts every counts_interval (10 s by default) and when its "
+    "ledger closes."
 )
 # Outcomes that answered a repeat of an intent without running it again.
 _DUPLICATES: Final = (Outcome.REPLAYED, Outcome.JOINED, Outcome.WAITED)
@@ -728,7 +729,7 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     console = Console(highlight=False)
     console.print(Text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
     console.print(table)
-    if counts is None or duplicates is None:
+    if duplicates is None:
         console.print(Text(_NO_COUNTS), soft_wrap=True)
         return
     calls = Table(box=box.SIMPLE_HEAD, show_footer=True)

@@ -671,8 +671,8 @@ def _purge_op(st: _Statements, now: _Now, namespace: str | None) -> _Op[int]:
 def _add_counts_op(
     st: _Statements, namespace: str, counts: Mapping[tuple[str, str], int]
 ) -> _Op[None]:
-    # Not repeated after a lost connection: the first statement may have committed, and a
-    # count added twice is worse than a flush reported as failed (the caller keeps its counts).
+    # Not repeated after a lost connection (the statement may have committed): the error goes
+    # up, and whether to send these counts again is the caller's choice.
     if counts:
         items = sorted(counts.items())
         yield _Step(

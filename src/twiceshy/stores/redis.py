@@ -1179,8 +1179,8 @@ class RedisStore:
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`: ``HINCRBY``s in one ``MULTI``.
 
-        Not sent again after a lost connection (it may have been applied): the error is raised
-        and the caller keeps its counts.
+        Not sent again after a lost connection (it may have been applied): the error is raised,
+        and whether to send these counts again is the caller's choice.
         """
         core = self._core
         core.check_open()

@@ -52,6 +52,7 @@ from .._records import (
     Snapshot,
     State,
     is_live,
+    new_claim,
 )
 from ..errors import StoreError, StoreUnavailable
 
@@ -273,7 +274,6 @@ def _store_error(exc: sqlite3.Error) -> StoreError:
 
 
 _EFFECTS: Final = {e.value: e for e in Effect}
-_CLAIMED: Final = State.CLAIMED.value
 _STATES: Final = {s.value: s for s in State}
 
 
@@ -605,7 +605,7 @@ class SQLiteStore:
         if self._closed:  # close() ran meanwhile and may have missed this one
             _drain(idle)
 
-    def _connection(self) -> _Lent:
+    def _connection(self, *, write: bool = False) -> _Lent:
         """Lend a connection for one operation; map driver errors to :class:`StoreError`."""
         if self._closed:
             raise StoreError(f"SQLite ledger {self.path!r} is closed")
@@ -613,7 +613,7 @@ class SQLiteStore:
             conn = self._pool().get_nowait()
         except queue.Empty:
             conn = self._connect()
-        return _Lent(self, conn, write=False)
+        return _Lent(self, conn, write=write)
 
     def _transaction(self) -> _Lent:
         """A write transaction: ``BEGIN IMMEDIATE`` takes the one writer's lock up front.
@@ -621,9 +621,7 @@ class SQLiteStore:
         On any error the connection is rolled back and discarded. A failed ``COMMIT`` leaves the
         outcome unknown to us; a claim retried with the same owner token recognises itself.
         """
-        lent = self._connection()
-        lent.write = True
-        return lent
+        return self._connection(write=True)
 
     def _notify(self) -> None:
         with self._changed:
@@ -661,19 +659,29 @@ class SQLiteStore:
         with self._transaction() as conn:
             # Read the clock once the lock is held: waiting for it must not shorten the lease.
             now = self._clock()
+            fresh = new_claim(
+                namespace,
+                key,
+                fingerprint=fingerprint,
+                tool=tool,
+                effect=effect,
+                owner=owner,
+                lease=lease,
+                now=now,
+            )
             rows = conn.execute(
                 _CLAIM,
                 {
                     "namespace": namespace,
                     "key": key,
-                    "fingerprint": fingerprint,
-                    "tool": tool,
-                    "effect": effect.value,
-                    "state": _CLAIMED,
-                    "fence": 1,
-                    "owner": owner,
-                    "lease_deadline": now + lease,
-                    "attempts": 1,
+                    "fingerprint": fresh.fingerprint,
+                    "tool": fresh.tool,
+                    "effect": fresh.effect.value,
+                    "state": fresh.state.value,
+                    "fence": fresh.fence,
+                    "owner": fresh.owner,
+                    "lease_deadline": fresh.lease_deadline,
+                    "attempts": fresh.attempts,
                     "now": now,
                 },
             ).fetchall()
