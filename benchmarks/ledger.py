@@ -49,9 +49,9 @@ RESULT = {"id": "ch_1", "amount": 4900, "customer": "cus_1"}
 Case = tuple[Callable[[int], object] | None, Callable[[int], object], Callable[[], None]]
 
 
-def protected(url: str) -> Case:
+def protected(url: str, remember: int = 0) -> Case:
     """(first call, replay, close) of a KEYED tool on the ledger at ``url``."""
-    ledger = twiceshy.Ledger(url)
+    ledger = twiceshy.Ledger(url, remember=remember)
 
     @ledger.tool(effect=twiceshy.KEYED)
     def charge(amount: int, customer: str) -> dict[str, object]:
@@ -194,6 +194,8 @@ def main() -> None:
                 "sqlite": protected(f"sqlite:///{tmp}/ledger.db?synchronous={sync}"),
                 "floor": floor(Path(tmp) / "floor.db", mode, sync),
                 "by hand": by_hand(Path(tmp) / "by_hand.db"),
+                # Its replays only: its first calls are the sqlite case's.
+                "remembered": (None, *protected(f"sqlite:///{tmp}/kept.db", remember=256)[1:]),
             },
             rounds,
             calls,
@@ -221,6 +223,11 @@ def main() -> None:
     print(
         f"\nreplay by hand (json.dumps + SHA-256, one SELECT of the result, json.loads):"
         f" {hand_read:.1f}; twiceshy's SQLite replay is {replay / hand_read:.2f}x that"
+    )
+    _, remembered = results["remembered"]
+    print(
+        f"remembered replay (Ledger(remember=256), no read): {remembered:.1f};"
+        f" {remembered / floor_read:.2f}x the raw read, {remembered / hand_read:.2f}x by hand"
     )
 
 

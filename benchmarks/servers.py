@@ -17,6 +17,9 @@ For each server store:
 - *wake-up*: a waiter blocked on a running call, woken by the owner recording its outcome:
   the time from the owner's write returning to the waiter returning.
 - *flat*: first call and replay again after the store holds ``--records`` other records.
+- *remembered*: the replay on a ledger made with ``remember=``, which answers a process's
+  retries of settled outcomes without a round trip; beside Powertools with its own local cache
+  (``use_local_cache=True``), the like-for-like peer.
 
 Medians of per-call times; the machine is shared, so compare ratios within one run. Only
 127.0.0.1 is used; everything the run creates (a schema, a key prefix) is removed at the end.
@@ -45,6 +48,7 @@ from twiceshy import Change, Effect, State
 
 POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"
+REMEMBER = 256  # settled outcomes kept per process, for the remembered replay (as Powertools')
 
 
 def timed(fn: Callable[[int], object], calls: int) -> list[int]:
@@ -193,6 +197,8 @@ def postgres(run: Run, records: int) -> dict[str, float]:
     prefix = secrets.token_hex(8)
     ledger = twiceshy.Ledger(f"{POSTGRES}?schema={schema}")
     first, replay = protected(ledger)
+    remembering = twiceshy.Ledger(f"{POSTGRES}?schema={schema}", remember=REMEMBER)
+    _, remembered = protected(remembering)
     conn = psycopg.connect(POSTGRES, autocommit=True)
     # The same rows in a table of the ledger's own shape (its columns, key and indexes).
     conn.execute(f"CREATE TABLE {schema}.floor (LIKE {schema}.records INCLUDING ALL)")
@@ -234,6 +240,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
                 "floor read": floor_read,
                 "trivial first": trivial_first,
                 "trivial read": trivial_read,
+                "remembered": remembered,
             }
         )
         out["wake ms"] = wake_up(ledger, 30)
@@ -248,6 +255,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
         out.update(measure_full(run, first, replay, floor_first, floor_read))
     finally:
         ledger.close()
+        remembering.close()
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
         conn.close()
     return out
@@ -258,6 +266,8 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     prefix = f"twiceshy-bench-{secrets.token_hex(4)}"
     ledger = twiceshy.Ledger(f"{REDIS}?prefix={prefix}")
     first, replay = protected(ledger)
+    remembering = twiceshy.Ledger(f"{REDIS}?prefix={prefix}", remember=REMEMBER)
+    _, remembered = protected(remembering)
     client = redis.Redis.from_url(REDIS)
     client.hset(f"{prefix}:floor:replayed", mapping=same_fields("replayed", 0))
     client.hset(f"{prefix}:trivial:replayed", mapping={"state": "succeeded", "result": "{}"})
@@ -289,7 +299,8 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     def trivial_read(i: int) -> None:
         client.hgetall(f"{prefix}:trivial:replayed")
 
-    pt_first, pt_replay = powertools(prefix)
+    pt_first, pt_replay = powertools(local_cache=False)
+    _, pt_cached = powertools(local_cache=True)
     try:
         out = run.interleave(
             {
@@ -301,6 +312,8 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
                 "trivial read": trivial_read,
                 "powertools first": pt_first,
                 "powertools replay": pt_replay,
+                "remembered": remembered,
+                "powertools cached": pt_cached,
             }
         )
         out["wake ms"] = wake_up(ledger, 30)
@@ -332,6 +345,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
         out.update(measure_full(run, first, replay, floor_first, floor_read))
     finally:
         ledger.close()
+        remembering.close()
         for batch in _batches(client.scan_iter(match=f"{prefix}*", count=10_000)):
             client.delete(*batch)
         for batch in _batches(client.scan_iter(match="bench-powertools*", count=10_000)):
@@ -351,7 +365,7 @@ def _batches(keys: Any, size: int = 10_000) -> Any:
         yield batch
 
 
-def powertools(prefix: str) -> tuple[Callable[[int], object], Callable[[int], object]]:
+def powertools(*, local_cache: bool) -> tuple[Callable[[int], object], Callable[[int], object]]:
     """(first call, replay) of Powertools' idempotent_function on the same Redis."""
     logging.getLogger("aws_lambda_powertools").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -365,7 +379,9 @@ def powertools(prefix: str) -> tuple[Callable[[int], object], Callable[[int], ob
         )
 
         layer = RedisCachePersistenceLayer(host="127.0.0.1", port=6379, ssl=False)
-    config = IdempotencyConfig(expires_after_seconds=3600)
+    config = IdempotencyConfig(
+        expires_after_seconds=3600, use_local_cache=local_cache, local_cache_max_items=REMEMBER
+    )
 
     @idempotent_function(
         data_keyword_argument="data",
@@ -435,6 +451,19 @@ def main() -> None:
         f"  first call {r['powertools first']:.0f} us, replay {r['powertools replay']:.0f} us;"
         f" twiceshy's replay is {r['powertools replay'] / r['replay']:.1f}x faster,"
         f" its first call {r['powertools first'] / r['first']:.1f}x"
+    )
+    print()
+    print(f"Remembered replay (Ledger(remember={REMEMBER})), no round trip:")
+    for name, res in results.items():
+        print(
+            f"  {name}: {res['remembered']:.0f} us, {res['remembered'] / res['trivial read']:.2f}"
+            f" of one round trip (trivial read {res['trivial read']:.0f} us)"
+        )
+    print(
+        f"  Powertools replay {r['powertools replay']:.0f} us is"
+        f" {r['powertools replay'] / r['remembered']:.1f}x twiceshy's remembered replay;"
+        f" Powertools with its local cache {r['powertools cached']:.0f} us,"
+        f" {r['powertools cached'] / r['remembered']:.1f}x"
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from ._binding import Binder, BoundCall
 from ._codec import MAX_RESULT_BYTES, ResultCodec
 from ._inflight import Flight, Flights, Heartbeat, Renewal
+from ._memo import Remembered
 from ._protocol import (
     CallPlan,
     Claim,
@@ -431,7 +432,13 @@ class Guard:
             kind = type(command)
             if kind is Claim or kind is Write or kind is Wait:
                 assert plan is not None  # an unrecorded call only runs and sleeps
-                answer = _store_op(store, command, plan)
+                memo = self._ledger._memo
+                if memo is None:
+                    answer = _store_op(store, command, plan)
+                elif kind is not Claim or (answer := memo.recall(plan)) is None:
+                    sent = time.monotonic()
+                    answer = _store_op(store, command, plan)
+                    memo.keep(plan, answer, sent)
             elif kind is Run:
                 answer = self._run(work, plan, cast("Run", command))
             elif kind is Note:
@@ -520,7 +527,13 @@ class Guard:
             kind = type(command)
             if kind is Claim or kind is Write or kind is Wait:
                 assert plan is not None  # an unrecorded call only runs and sleeps
-                answer = await _store_op(store, command, plan)
+                memo = self._ledger._memo
+                if memo is None:
+                    answer = await _store_op(store, command, plan)
+                elif kind is not Claim or (answer := memo.recall(plan)) is None:
+                    sent = time.monotonic()
+                    answer = await _store_op(store, command, plan)
+                    memo.keep(plan, answer, sent)
             elif kind is Run:
                 answer = await self._arun(work, plan, cast("Run", command))
             elif kind is Note:
@@ -602,6 +615,11 @@ class Ledger:
         counts_interval: how often this process adds its call counts (how each call was
             answered: executed, replayed, joined, ...) to the store, for ``twiceshy stats``;
             they are added once more by :meth:`close`. ``None`` keeps them in the process.
+        remember: how many settled outcomes (SUCCEEDED, FAILED) this process keeps, the least
+            recently used dropped first, to answer its own retries of them without a round
+            trip to the store. ``0`` (the default) asks the store every time. A kept outcome
+            is dropped no later than the store's retention ends; a record deleted from the
+            store by hand is still answered from here until then.
 
     Raises:
         ValueError: the URL names no known store.
@@ -617,9 +635,14 @@ class Ledger:
         async_store: AsyncStore | None = None,
         observers: Collection[Observer] = (),
         counts_interval: Duration | None = 10.0,
+        remember: int = 0,
     ) -> None:
         if not isinstance(namespace, str):
             raise TypeError("namespace= must be a string")
+        if not isinstance(remember, int) or isinstance(remember, bool):
+            raise TypeError("remember= must be a whole number of outcomes")
+        if remember < 0:
+            raise ValueError("remember= must be 0 or more")
         if store is not None:
             if url is not None:
                 raise ValueError("give a url or a store, not both")
@@ -632,6 +655,7 @@ class Ledger:
             self.url = url if url is not None else default_url()
             self.store, self.async_store = open_store(self.url)
         self.namespace = namespace
+        self._memo = Remembered(remember) if remember else None
         self._flights = Flights()
         self._heartbeat = Heartbeat(self.store)
         self._owner_prefix = secrets.token_hex(8)

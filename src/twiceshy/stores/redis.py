@@ -150,8 +150,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Lua. Every script touches one key, KEYS[1], the record's hash. ARGV[1] is always the clock:
 # "" reads the server's TIME, anything else is the caller's clock in seconds. Each answers
-# {won, now, field1, value1, field2, value2, ...}: won is "1" or "0", now the clock the script
-# used, then the record's hash as HGETALL gives it (nothing after now when there is no record).
+# {won, now, record}: won is "1" or "0", now the clock the script used, then the record's hash
+# as one JSON object of its fields, as they are after the script (no third item when there is
+# no record).
 # Numbers leave Lua only through string.format: Lua's own tostring keeps 14 digits.
 # --------------------------------------------------------------------------------------------
 
@@ -174,11 +175,21 @@ local function fields(flat)
   for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
   return f
 end
-local function reply(won, now, flat)
-  -- The record travels as one JSON object of its fields: a client decodes one string much
-  -- faster than thirty, and gets the fields by name at once.
-  if #flat == 0 then return {won, num(now)} end
-  return {won, num(now), cjson.encode(fields(flat))}
+local function hset(name, flat)
+  -- Write the fields of a flat {field, value, ...} list; answer them as a table.
+  redis.call('HSET', name, unpack(flat))
+  return fields(flat)
+end
+local function reply(won, now, f)
+  -- The record (a table of its fields, or nil) travels as one JSON object: a client decodes
+  -- one string much faster than thirty, and gets the fields by name at once.
+  if f == nil then return {won, num(now)} end
+  return {won, num(now), cjson.encode(f)}
+end
+local function record(name)
+  local flat = redis.call('HGETALL', name)
+  if #flat == 0 then return nil end
+  return fields(flat)
 end
 local function live(f, now)
   return f.expires_at == nil or tonumber(f.expires_at) > now
@@ -196,24 +207,23 @@ CLAIM_SCRIPT: Final = (
 -- whose reply was lost). A missing or expired one is replaced by a fresh CLAIMED record: fence 1,
 -- or the expired record's fence + 1. Claims never carry a TTL.
 local now = clock(ARGV[1])
-local flat = redis.call('HGETALL', KEYS[1])
+local f = record(KEYS[1])
 local fence = 1
-if #flat > 0 then
-  local f = fields(flat)
+if f ~= nil then
   if live(f, now) then
     local won = '0'
     if f.state == 'claimed' and f.owner == ARGV[7] then won = '1' end
-    return reply(won, now, flat)
+    return reply(won, now, f)
   end
   fence = tonumber(f.fence) + 1
   redis.call('DEL', KEYS[1])
 end
-redis.call('HSET', KEYS[1],
+-- The hash was deleted or never existed: these fields are the whole record.
+return reply('1', now, hset(KEYS[1], {
   'namespace', ARGV[2], 'key', ARGV[3], 'fingerprint', ARGV[4], 'tool', ARGV[5],
   'effect', ARGV[6], 'state', 'claimed', 'fence', int(fence), 'owner', ARGV[7],
   'lease_deadline', num(now + tonumber(ARGV[8])), 'attempts', '1',
-  'created_at', num(now), 'updated_at', num(now))
-return reply('1', now, redis.call('HGETALL', KEYS[1]))
+  'created_at', num(now), 'updated_at', num(now)}))
 """
 )
 """Claim-or-return in one round trip (see the KEYS/ARGV contract in its text)."""
@@ -231,19 +241,17 @@ WRITE_SCRIPT: Final = (
 -- A record whose write id is ARGV[2] already shows this very write: it answers won, changing
 -- nothing. Publishes on the wake channel when the record settles or changes fence.
 local now = clock(ARGV[1])
-local flat = redis.call('HGETALL', KEYS[1])
-if #flat == 0 then return {'0', num(now)} end
-local f = fields(flat)
-if not live(f, now) then return {'0', num(now)} end
-if f.write_id == ARGV[2] then return reply('1', now, flat) end
+local f = record(KEYS[1])
+if f == nil or not live(f, now) then return reply('0', now, nil) end
+if f.write_id == ARGV[2] then return reply('1', now, f) end
 if tonumber(f.fence) ~= tonumber(ARGV[4])
     or not string.find(ARGV[5], ',' .. f.state .. ',', 1, true) then
-  return reply('0', now, flat)
+  return reply('0', now, f)
 end
 local owner = opt(ARGV[7])
-if owner ~= nil and f.owner ~= owner then return reply('0', now, flat) end
+if owner ~= nil and f.owner ~= owner then return reply('0', now, f) end
 if ARGV[8] == '1' and (f.lease_deadline == nil or tonumber(f.lease_deadline) > now) then
-  return reply('0', now, flat)
+  return reply('0', now, f)
 end
 
 local to = ARGV[6]
@@ -279,14 +287,19 @@ if final and ttl ~= nil then expires = now + tonumber(ttl) end
 if expires ~= nil then put('expires_at', num(expires)) else put('expires_at', nil) end
 
 redis.call('HSET', KEYS[1], unpack(set))
-if #unset > 0 then redis.call('HDEL', KEYS[1], unpack(unset)) end
+for i = 1, #set, 2 do f[set[i]] = set[i + 1] end
+if #unset > 0 then
+  redis.call('HDEL', KEYS[1], unpack(unset))
+  for _, name in ipairs(unset) do f[name] = nil end
+end
 if expires ~= nil and ARGV[16] == '1' then
   redis.call('PEXPIREAT', KEYS[1], string.format('%d', math.ceil(expires * 1000)))
 else
   redis.call('PERSIST', KEYS[1])
 end
 if to ~= 'claimed' or new_owner ~= nil then redis.call('PUBLISH', ARGV[3], to) end
-return reply('1', now, redis.call('HGETALL', KEYS[1]))
+-- f is the hash as written: its fields before, with set's written and unset's removed.
+return reply('1', now, f)
 """
 )
 """One guarded write in one round trip (see the KEYS/ARGV contract in its text)."""
@@ -297,7 +310,7 @@ READ_SCRIPT: Final = (
 -- Read a record with the clock that judges it.
 -- KEYS[1]: the record's hash. ARGV: [1] clock ("" = TIME).
 local now = clock(ARGV[1])
-return reply('0', now, redis.call('HGETALL', KEYS[1]))
+return reply('0', now, record(KEYS[1]))
 """
 )
 """A read with the store's clock in one round trip."""
