@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._forks import reset_in_children
 from ._protocol import renewal
 from .errors import StoreError
 from .stores import Store
@@ -88,11 +89,18 @@ def _resolve(future: asyncio.Future[None]) -> None:
 class Flights:
     """The flights of one ledger, by namespace and key."""
 
-    __slots__ = ("_flights", "_lock")
+    __slots__ = ("__weakref__", "_flights", "_lock")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._flights: dict[tuple[str, str], Flight] = {}
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The calls running in the parent's other threads do not run here: a duplicate in the
+        # child goes to the ledger, which knows their outcome.
+        self._lock = threading.Lock()
+        self._flights = {}
 
     def join(self, namespace: str, key: str, fingerprint: str) -> tuple[Flight, bool]:
         """The flight of a key, and whether this caller leads it (runs the protocol)."""
@@ -145,6 +153,16 @@ class Heartbeat:
         # When the loop wakes by itself next (monotonic); -inf while it is awake. A new lease
         # due later than that needs no wake-up: most calls end long before their first renewal,
         # and waking the thread for each of them costs a thread switch per call.
+        self._wake_at = -math.inf
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The leases of calls running in the parent are not the child's to renew: were the
+        # parent to die mid-call, a child renewing them would keep its intents claimed forever.
+        # The condition's lock may be held by the parent's heartbeat thread, absent here.
+        self._cond = threading.Condition()
+        self._heap = []
+        self._thread = None
         self._wake_at = -math.inf
 
     def start(self, namespace: str, key: str, fence: int, owner: str, lease: float) -> Renewal:

@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from typing import Final
 
+from ._forks import reset_in_children
 from ._protocol import CallPlan
 from ._records import Record, Snapshot, State
 
@@ -29,7 +30,7 @@ _SETTLED: Final = frozenset({State.SUCCEEDED, State.FAILED})
 class Remembered:
     """Up to ``size`` settled records, the least recently used evicted first; thread-safe."""
 
-    __slots__ = ("_entries", "_lock", "size")
+    __slots__ = ("__weakref__", "_entries", "_lock", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -37,6 +38,11 @@ class Remembered:
         self._entries: OrderedDict[tuple[str, str], tuple[Record, float, float, float]] = (
             OrderedDict()
         )
+        self._lock = threading.Lock()
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The kept outcomes stay true in a child; only the lock may be held by a parent's thread.
         self._lock = threading.Lock()
 
     def recall(self, plan: CallPlan) -> Snapshot | None:

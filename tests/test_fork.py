@@ -1,0 +1,138 @@
+"""A process forked while calls run in its parent's threads starts with none of them.
+
+The child inherits the ledger's in-process state as it was at the fork: the flights of calls
+running in other threads (which never land in the child) and the leases the heartbeat renews for
+them (which the child must not renew: those calls are not running there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import twiceshy
+
+pytestmark = pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+
+FORK = (
+    multiprocessing.get_context("fork")
+    if "fork" in multiprocessing.get_all_start_methods()
+    else None
+)
+
+
+def test_a_forked_child_does_not_join_a_call_running_in_its_parent(tmp_path: Path) -> None:
+    """The child's duplicate asks the ledger: it waits for the parent's outcome, then replays."""
+    assert FORK is not None
+    ledger = twiceshy.Ledger(f"sqlite:///{tmp_path / 'ledger.db'}", counts_interval=None)
+    started, gate = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, wait=8)
+    def charge(amount: int) -> dict[str, int]:
+        runs.append(amount)
+        started.set()
+        gate.wait(10)
+        return {"amount": amount}
+
+    def call() -> Any:
+        with twiceshy.run("run-1"):
+            return charge(5)
+
+    answers: Any = FORK.SimpleQueue()
+
+    def child() -> None:
+        try:
+            answers.put(("answered", call(), len(runs)))
+        except Exception as exc:
+            answers.put(("raised", repr(exc), len(runs)))
+
+    owner = threading.Thread(target=call)
+    owner.start()
+    assert started.wait(10)
+    forked = FORK.Process(target=child)
+    forked.start()
+    time.sleep(0.3)  # the child is waiting on the intent
+    gate.set()
+    owner.join(10)
+    forked.join(30)
+    # The child replayed the parent's outcome; its runs are the parent's, copied at the fork.
+    assert answers.get() == ("answered", {"amount": 5}, 1)
+    assert runs == [5]
+    ledger.close()
+
+
+def _owner_dies_mid_call(url: str, ready: Any) -> None:
+    """A process whose call is running when it forks a child and then dies.
+
+    The child makes a call of its own (which starts its heartbeat), says so, and lives on for a
+    while; it must not keep renewing the lease of the call that died with its parent.
+    """
+    ledger = twiceshy.Ledger(url, counts_interval=None)
+    started = threading.Event()
+
+    @ledger.tool(effect=twiceshy.KEYED, lease=0.6)
+    def charge(amount: int) -> dict[str, int]:
+        started.set()
+        time.sleep(30)
+        return {"amount": amount}
+
+    def call(amount: int) -> None:
+        with twiceshy.run("run-1"):
+            charge(amount)
+
+    threading.Thread(target=call, args=(5,), daemon=True).start()
+    started.wait(10)
+    called_r, called_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own call, then a life longer than the parent's lease
+        try:
+            with twiceshy.run("run-2"):
+                ledger.guard("other", effect=twiceshy.KEYED).call({}, lambda: 1)
+            os.write(called_w, b"x")
+            time.sleep(4)
+        finally:
+            os._exit(0)
+    ready.send(pid)
+    os.read(called_r, 1)  # the child's call is done (never, if it hangs: the test then fails)
+    os._exit(0)  # the owner dies mid-call
+
+
+def test_a_forked_child_does_not_renew_its_parents_leases(tmp_path: Path) -> None:
+    """The child's own call runs; the dead owner's lease lapses and a retry takes it over."""
+    assert FORK is not None
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ready, told = FORK.Pipe(duplex=False)
+    owner = FORK.Process(target=_owner_dies_mid_call, args=(url, told))
+    owner.start()
+    assert ready.poll(20), "the owner did not fork"
+    child = ready.recv()
+    try:
+        # Not owner.join(): the child holds the owner's sentinel open as long as it lives.
+        deadline = time.monotonic() + 10
+        while owner.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert owner.exitcode == 0, "the forked child's own call did not finish"
+        ledger = twiceshy.Ledger(url, counts_interval=None)
+
+        @ledger.tool(effect=twiceshy.KEYED, lease=0.6, wait=3)
+        def charge(amount: int) -> dict[str, int]:
+            return {"amount": amount, "taken over": 1}
+
+        with twiceshy.run("run-1"):
+            assert charge(5) == {"amount": 5, "taken over": 1}
+        ledger.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        owner.kill()
