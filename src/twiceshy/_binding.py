@@ -146,11 +146,13 @@ class Binder:
         Raises:
             TypeError: the arguments do not fit the signature.
         """
-        named = self._bind_simple(args, kwargs) if self._simple else None
-        if named is None:
+        simple = self._bind_simple(args, kwargs) if self._simple else None
+        if simple is None:
             bound = self._signature.bind(*args, **kwargs)
             bound.apply_defaults()
             named = bound.arguments
+        else:
+            named = simple
         explicit = None
         if self._key_param is not None:
             given = named.get(self._key_param)
@@ -158,6 +160,11 @@ class Binder:
                 if not isinstance(given, str) or not given:
                     raise TypeError(f"{self._key_param} must be a non-empty string")
                 explicit = given
+        if simple is not None:
+            # Plain named parameters (no *args): the mapping is this call's own, made above.
+            for name in self._injected:
+                simple.pop(name, None)
+            return simple, explicit
         arguments: dict[str, Any] = {}
         for name, value in named.items():
             if name in self._injected:

@@ -133,12 +133,14 @@ class _Seen:
     protocol noted how it answered from the record (it notes only right before that answer).
     """
 
-    __slots__ = ("clock", "key", "outcome")
+    __slots__ = ("clock", "interrupted", "key", "outcome")
 
     def __init__(self) -> None:
         self.clock = time.perf_counter()
         self.key: str | None = None
         self.outcome = Outcome.EXECUTED
+        #: An interruption of the work (a cancelled task, Ctrl-C), which must go on.
+        self.interrupted: BaseException | None = None
 
 
 def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
@@ -415,6 +417,7 @@ class Guard:
             value = self._drive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
             flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            _interruption_goes_on(seen, exc)
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
@@ -440,7 +443,7 @@ class Guard:
                     answer = _store_op(store, command, plan)
                     memo.keep(plan, answer, sent)
             elif kind is Run:
-                answer = self._run(work, plan, cast("Run", command))
+                answer = self._run(work, plan, cast("Run", command), seen)
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
                 answer = None
@@ -460,7 +463,7 @@ class Guard:
             else:  # pragma: no cover - the protocol yields nothing else
                 raise AssertionError(command)
 
-    def _run(self, work: _Work, plan: CallPlan | None, command: Run) -> Ran:
+    def _run(self, work: _Work, plan: CallPlan | None, command: Run, seen: _Seen) -> Ran:
         if plan is None:
             try:
                 return Ran(value=work(""))
@@ -470,6 +473,9 @@ class Guard:
         try:
             value = work(plan.key)
         except Exception as exc:
+            return Ran(error=exc)
+        except BaseException as exc:  # the protocol records the doubt, then raises it again
+            seen.interrupted = exc
             return Ran(error=exc)
         finally:
             self._leave(job, token)
@@ -510,6 +516,7 @@ class Guard:
             value = await self._adrive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
             flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            _interruption_goes_on(seen, exc)
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
@@ -535,7 +542,7 @@ class Guard:
                     answer = await _store_op(store, command, plan)
                     memo.keep(plan, answer, sent)
             elif kind is Run:
-                answer = await self._arun(work, plan, cast("Run", command))
+                answer = await self._arun(work, plan, cast("Run", command), seen)
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
                 answer = None
@@ -556,7 +563,7 @@ class Guard:
             else:  # pragma: no cover - the protocol yields nothing else
                 raise AssertionError(command)
 
-    async def _arun(self, work: _Work, plan: CallPlan | None, command: Run) -> Ran:
+    async def _arun(self, work: _Work, plan: CallPlan | None, command: Run, seen: _Seen) -> Ran:
         if plan is None:
             try:
                 return Ran(value=await work(""))
@@ -566,6 +573,9 @@ class Guard:
         try:
             value = await work(plan.key)
         except Exception as exc:
+            return Ran(error=exc)
+        except BaseException as exc:  # the protocol records the doubt, then raises it again
+            seen.interrupted = exc
             return Ran(error=exc)
         finally:
             self._leave(job, token)
@@ -589,6 +599,13 @@ def _store_op(store: Store | AsyncStore, command: Command, plan: CallPlan) -> An
         )
     assert type(command) is Wait
     return store.wait(plan.namespace, plan.key, command.fence, command.timeout)
+
+
+def _interruption_goes_on(seen: _Seen, error: BaseException) -> None:
+    """Raise the work's interruption if recording it failed: a cancellation is never lost."""
+    interrupted = seen.interrupted
+    if interrupted is not None and error is not interrupted:
+        raise interrupted from error
 
 
 def _mismatch(plan: CallPlan) -> KeyReuseMismatch:
@@ -619,7 +636,8 @@ class Ledger:
             recently used dropped first, to answer its own retries of them without a round
             trip to the store. ``0`` (the default) asks the store every time. A kept outcome
             is dropped no later than the store's retention ends; a record deleted from the
-            store by hand is still answered from here until then.
+            store by hand is still answered from here until then. Each kept outcome holds its
+            result's JSON text (at most the tool's ``max_result_bytes``).
 
     Raises:
         ValueError: the URL names no known store.

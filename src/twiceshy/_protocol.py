@@ -167,11 +167,12 @@ class Ran:
 
     Attributes:
         value: what the tool returned.
-        error: what it raised (an ``Exception``), or ``None``.
+        error: what it raised, or ``None``; for a recorded call also an interruption (a
+            ``BaseException`` that is no ``Exception``: a cancelled task, ``KeyboardInterrupt``).
     """
 
     value: object = None
-    error: Exception | None = None
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +423,23 @@ def _own(
     while True:
         ran: Ran = yield Run(record.fence, attempt)
         error = ran.error
+        if error is not None and not isinstance(error, Exception):
+            # Interrupted while the work ran (a cancelled task, Ctrl-C): nothing is known of its
+            # effect, and nothing renews the lease any more. Say so in the record, so the next
+            # call is answered at once (KEYED: run again with the key; UNSAFE: OutcomeUnknown)
+            # rather than after the lease; then the interruption goes on, whatever the write.
+            reason = f"interrupted by {_describe(error)} before it finished"
+            yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _U,
+                    owner=plan.owner,
+                    reason=reason,
+                    error=encode_error(error),
+                )
+            )
+            raise error
         if error is None:
             try:
                 text = plan.policy.codec.encode(ran.value)

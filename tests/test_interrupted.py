@@ -1,0 +1,171 @@
+"""A call interrupted while its tool runs (a cancelled task, Ctrl-C) records that its outcome is
+unknown before the interruption goes on, so the next call gets an honest answer at once instead
+of waiting for a lease that nobody renews any more."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+import twiceshy
+from twiceshy import State
+from twiceshy.stores import Store
+
+
+def only_record(store: Store) -> twiceshy.Record:
+    (record,) = store.records("")
+    return record
+
+
+def test_a_cancelled_keyed_call_runs_again_at_once_with_the_same_key(store: Store) -> None:
+    """Every store (on a clock that never lets the lease lapse by itself)."""
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    keys: list[str] = []
+    hang = [True]
+
+    @ledger.tool(effect=twiceshy.KEYED, wait=5)
+    async def charge(amount: int) -> dict[str, int]:
+        keys.append(twiceshy.current_key())
+        if hang[0]:
+            await asyncio.sleep(30)  # the provider does not answer in time
+        return {"amount": amount}
+
+    async def main() -> dict[str, int]:
+        with twiceshy.run("run-1"):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(charge(4900), 0.2)  # the framework's tool timeout
+            record = only_record(store)
+            assert record.state is State.UNKNOWN
+            assert "CancelledError" in (record.reason or "")
+            hang[0] = False
+            started = time.monotonic()
+            answer = await charge(4900)  # the model calls again
+            assert time.monotonic() - started < 2  # not after waiting out the lease
+            return answer
+
+    assert asyncio.run(main()) == {"amount": 4900}
+    assert len(keys) == 2
+    assert keys[0] == keys[1]  # the provider deduplicates the second attempt
+    assert only_record(store).state is State.SUCCEEDED
+
+
+def test_a_cancelled_unsafe_call_answers_outcome_unknown_at_once(store: Store) -> None:
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, wait=5)
+    async def send_mail(to: str) -> str:
+        runs.append(1)
+        await asyncio.sleep(30)
+        return "sent"
+
+    async def main() -> None:
+        with twiceshy.run("run-1"):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(send_mail("ada@example.com"), 0.2)
+            started = time.monotonic()
+            with pytest.raises(twiceshy.OutcomeUnknown, match="interrupted"):
+                await send_mail("ada@example.com")
+            assert time.monotonic() - started < 2
+
+    asyncio.run(main())
+    assert runs == [1]  # never run again by itself
+
+
+def test_ctrl_c_in_a_blocking_tool_records_the_doubt_and_goes_on(store: Store) -> None:
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> dict[str, int]:
+        runs.append(amount)
+        if len(runs) == 1:
+            raise KeyboardInterrupt
+        return {"amount": amount}
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(KeyboardInterrupt):
+            charge(4900)
+        record = only_record(store)
+        assert record.state is State.UNKNOWN
+        assert "KeyboardInterrupt" in (record.reason or "")
+        assert charge(4900) == {"amount": 4900}
+    assert runs == [4900, 4900]
+
+
+def test_a_call_cancelled_while_waiting_for_another_changes_nothing(store: Store) -> None:
+    """Only the owner's interruption says anything about the work; a waiter's says nothing."""
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    release = [False]
+
+    @ledger.tool(effect=twiceshy.KEYED, wait=5)
+    async def charge(amount: int) -> dict[str, int]:
+        while not release[0]:
+            await asyncio.sleep(0.01)
+        return {"amount": amount}
+
+    other = twiceshy.Ledger(store=store, counts_interval=None)  # another process, in effect
+
+    @other.tool(effect=twiceshy.KEYED, wait=5, name="charge")
+    async def charge_elsewhere(amount: int) -> dict[str, int]:
+        raise AssertionError("the intent is running elsewhere; this never runs")
+
+    async def main() -> Any:
+        with twiceshy.run("run-1"):
+            owner = asyncio.create_task(charge(4900))
+            await asyncio.sleep(0.1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(charge_elsewhere(4900), 0.2)
+            assert only_record(store).state is State.CLAIMED
+            release[0] = True
+            return await owner
+
+    assert asyncio.run(main()) == {"amount": 4900}
+    assert only_record(store).state is State.SUCCEEDED
+
+
+class WritesFail:
+    """A store whose guarded writes fail: the ledger cannot record anything after the claim."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    def write(self, *args: Any, **kwargs: Any) -> Any:
+        raise twiceshy.StoreUnavailable("the ledger went away")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_the_interruption_goes_on_when_the_doubt_cannot_be_recorded() -> None:
+    """A failed write never turns a Ctrl-C or a cancellation into a store error."""
+    from twiceshy.stores.memory import MemoryStore
+
+    ledger = twiceshy.Ledger(store=WritesFail(MemoryStore()), counts_interval=None)  # type: ignore[arg-type]
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def send_mail(to: str) -> str:
+        raise KeyboardInterrupt
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    async def post(text: str) -> str:
+        await asyncio.sleep(30)
+        return "posted"
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            send_mail("ada@example.com")
+        assert isinstance(interrupted.value.__cause__, twiceshy.StoreUnavailable)
+
+        async def main() -> None:
+            task = asyncio.create_task(post("hello"))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError) as cancelled:
+                await task
+            assert isinstance(cancelled.value.__cause__, twiceshy.StoreUnavailable)
+
+        asyncio.run(main())
