@@ -20,7 +20,7 @@ import typing
 import uuid
 from collections.abc import Callable, Mapping
 from decimal import Decimal
-from typing import Any
+from typing import Any, Final
 
 from .errors import ResultNotStorable
 
@@ -57,6 +57,15 @@ def _to_json(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__} has no JSON form")
 
 
+# Made once: json.dumps with options builds a new encoder for every call.
+_ENCODE: Final = json.JSONEncoder(
+    default=_to_json, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+).encode
+_ENCODE_ASCII: Final = json.JSONEncoder(
+    default=_to_json, allow_nan=False, separators=(",", ":")
+).encode
+
+
 class ResultCodec:
     """Encodes a tool's results and rebuilds them as its annotated return type.
 
@@ -82,9 +91,7 @@ class ResultCodec:
             ResultNotStorable: the value has no JSON form, or its text exceeds the bound.
         """
         try:
-            text = json.dumps(
-                value, default=_to_json, ensure_ascii=False, allow_nan=False, separators=(",", ":")
-            )
+            text = _ENCODE(value)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ResultNotStorable(f"the tool's result cannot be stored as JSON: {exc}") from exc
         size = len(text)
@@ -93,7 +100,7 @@ class ResultCodec:
                 size = len(text.encode("utf-8"))
             except UnicodeEncodeError:
                 # A lone surrogate has no UTF-8 form: keep it as a \udxxx escape instead.
-                text = json.dumps(value, default=_to_json, allow_nan=False, separators=(",", ":"))
+                text = _ENCODE_ASCII(value)
                 size = len(text)
         if size > self._max_bytes:
             raise ResultNotStorable(
