@@ -169,3 +169,46 @@ def test_the_interruption_goes_on_when_the_doubt_cannot_be_recorded() -> None:
             assert isinstance(cancelled.value.__cause__, twiceshy.StoreUnavailable)
 
         asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("effect", "answer"),
+    [(twiceshy.KEYED, {"amount": 4900, "run": 2}), (twiceshy.UNSAFE, twiceshy.OutcomeUnknown)],
+)
+def test_callers_joined_to_an_interrupted_call_ask_the_ledger(
+    store: Store, effect: twiceshy.Effect, answer: Any
+) -> None:
+    """The joined duplicate is not interrupted, nor told "still running": it gets the truth."""
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    runs: list[int] = []
+    keys: list[str] = []
+
+    @ledger.tool(effect=effect, wait=5)
+    async def charge(amount: int) -> dict[str, int]:
+        runs.append(amount)
+        keys.append(twiceshy.current_key())
+        if len(runs) == 1:
+            await asyncio.sleep(30)
+        return {"amount": amount, "run": len(runs)}
+
+    async def main() -> Any:
+        with twiceshy.run("run-1"):
+            leader = asyncio.create_task(charge(4900))
+            await asyncio.sleep(0.05)
+            joined = asyncio.create_task(charge(4900))
+            await asyncio.sleep(0.05)
+            leader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leader
+            try:
+                return await asyncio.wait_for(joined, 3)
+            except twiceshy.OutcomeUnknown as exc:
+                return exc
+
+    got = asyncio.run(main())
+    if isinstance(answer, type):
+        assert isinstance(got, answer)
+        assert runs == [4900]
+    else:
+        assert got == answer
+        assert len(set(keys)) == 1  # the joined caller ran it again with the same key

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextvars import Token
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, Final, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, BoundCall
 from ._codec import MAX_RESULT_BYTES, ResultCodec
@@ -170,13 +170,21 @@ def _seconds(value: Duration, name: str) -> float:
     return seconds
 
 
-def _for_joiners(plan: CallPlan, error: BaseException) -> BaseException:
+class _LeaderInterrupted(Exception):
+    """A flight's leader was interrupted: its joined callers go to the ledger themselves."""
+
+
+_JOINS: Final = 3  # flights a call joins, each ended by an interrupted leader, before InProgress
+
+
+def _for_joiners(error: BaseException) -> BaseException:
     """What callers joined to a flight get when it ends in ``error``.
 
     An interruption of the leader (``KeyboardInterrupt``, a cancelled task) is the leader's own
-    business: the joined callers learn only that the call did not finish here.
+    business: the joined callers are not interrupted, and ask the ledger, which the leader told
+    of the doubt before it went on.
     """
-    return error if isinstance(error, Exception) else InProgress(plan.policy.tool, plan.key)
+    return error if isinstance(error, Exception) else _LeaderInterrupted()
 
 
 def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any] | None) -> Any:
@@ -408,15 +416,22 @@ class Guard:
             return self._drive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
-        flight, leader = self._join(plan, seen)
-        if not leader:
+        for _ in range(_JOINS):
+            flight, leader = self._join(plan, seen)
+            if leader:
+                break
             if not flight.wait(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
-            return flight.outcome()
+            try:
+                return flight.outcome()
+            except _LeaderInterrupted:
+                seen.outcome = Outcome.EXECUTED  # as a call of its own, from the ledger
+        else:
+            raise InProgress(plan.policy.tool, plan.key)
         try:
             value = self._drive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(exc))
             _interruption_goes_on(seen, exc)
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
@@ -507,15 +522,22 @@ class Guard:
             return await self._adrive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
-        flight, leader = self._join(plan, seen)
-        if not leader:
+        for _ in range(_JOINS):
+            flight, leader = self._join(plan, seen)
+            if leader:
+                break
             if not await flight.wait_async(self.policy.wait):
                 raise InProgress(plan.policy.tool, plan.key)
-            return flight.outcome()
+            try:
+                return flight.outcome()
+            except _LeaderInterrupted:
+                seen.outcome = Outcome.EXECUTED  # as a call of its own, from the ledger
+        else:
+            raise InProgress(plan.policy.tool, plan.key)
         try:
             value = await self._adrive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(plan, exc))
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(exc))
             _interruption_goes_on(seen, exc)
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
