@@ -381,6 +381,19 @@ class Guard:
                 raise _mismatch(plan)
         return flight, leader
 
+    def _joined(
+        self, plan: CallPlan, seen: _Seen, flight: Flight, landed: bool
+    ) -> tuple[bool, Any]:
+        """A joined call's answer once its flight landed: ``(True, outcome)``, or ``(False,
+        None)`` when the leader was interrupted and this call must go to the ledger itself."""
+        if not landed:
+            raise InProgress(plan.policy.tool, plan.key)
+        try:
+            return True, flight.outcome()
+        except _LeaderInterrupted:
+            seen.outcome = Outcome.EXECUTED  # a call of its own from now on
+            return False, None
+
     def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Token[Current | None]]:
         """Start renewing the lease and make the call current, before the work runs."""
         job = self._ledger._heartbeat.start(
@@ -420,12 +433,9 @@ class Guard:
             flight, leader = self._join(plan, seen)
             if leader:
                 break
-            if not flight.wait(self.policy.wait):
-                raise InProgress(plan.policy.tool, plan.key)
-            try:
-                return flight.outcome()
-            except _LeaderInterrupted:
-                seen.outcome = Outcome.EXECUTED  # as a call of its own, from the ledger
+            done, value = self._joined(plan, seen, flight, flight.wait(self.policy.wait))
+            if done:
+                return value
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
@@ -526,12 +536,10 @@ class Guard:
             flight, leader = self._join(plan, seen)
             if leader:
                 break
-            if not await flight.wait_async(self.policy.wait):
-                raise InProgress(plan.policy.tool, plan.key)
-            try:
-                return flight.outcome()
-            except _LeaderInterrupted:
-                seen.outcome = Outcome.EXECUTED  # as a call of its own, from the ledger
+            landed = await flight.wait_async(self.policy.wait)
+            done, value = self._joined(plan, seen, flight, landed)
+            if done:
+                return value
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
