@@ -136,3 +136,30 @@ def test_a_forked_child_does_not_renew_its_parents_leases(tmp_path: Path) -> Non
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
         owner.kill()
+
+
+def test_a_forked_child_that_only_flushes_sends_none_of_its_parents_counts(tmp_path: Path) -> None:
+    """The child's first act is flush_counts() and close(): the parent's pending counts stay the
+    parent's, to be added once, by the parent."""
+    assert FORK is not None
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = twiceshy.Ledger(url)
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> int:
+        return amount
+
+    with twiceshy.run("run-1"):
+        charge(1)  # counted in the parent, not yet added to the store
+
+    def child() -> None:
+        ledger.flush_counts()
+        ledger.close()
+
+    forked = FORK.Process(target=child)
+    forked.start()
+    forked.join(30)
+    assert forked.exitcode == 0
+    ledger.close()
+    with twiceshy.Ledger(url, counts_interval=None) as reader:
+        assert reader.store.counts("") == {("charge", "executed"): 1}  # type: ignore[attr-defined]

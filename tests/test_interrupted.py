@@ -5,7 +5,9 @@ of waiting for a lease that nobody renews any more."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +214,69 @@ def test_callers_joined_to_an_interrupted_call_ask_the_ledger(
     else:
         assert got == answer
         assert len(set(keys)) == 1  # the joined caller ran it again with the same key
+
+
+def test_a_call_cancelled_between_attempts_records_the_doubt(store: Store) -> None:
+    """Cancelled in the back-off after an ambiguous attempt: unknown, so the next call runs it
+    again with the key at once instead of waiting out a lease nobody renews."""
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    keys: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, wait=5, backoff=lambda attempt: 30.0)
+    async def charge(amount: int) -> dict[str, int]:
+        keys.append(twiceshy.current_key())
+        if len(keys) == 1:
+            raise ConnectionError("the provider reset the connection")
+        return {"amount": amount}
+
+    async def main() -> dict[str, int]:
+        with twiceshy.run("run-1"):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(charge(4900), 0.3)  # cut off during the back-off
+            record = only_record(store)
+            assert record.state is State.UNKNOWN
+            assert "ConnectionError" in (record.reason or "")
+            started = time.monotonic()
+            answer = await charge(4900)
+            assert time.monotonic() - started < 2
+            return answer
+
+    assert asyncio.run(main()) == {"amount": 4900}
+    assert len(keys) == 2
+    assert keys[0] == keys[1]
+
+
+def test_a_call_cancelled_while_its_claim_is_under_way_gives_the_claim_back(
+    tmp_path: Path,
+) -> None:
+    """The claim goes on in the store's thread and wins after the caller was cancelled: it is
+    released, so the UNSAFE tool that never ran is not answered OutcomeUnknown for good."""
+    path = tmp_path / "ledger.db"
+    ledger = twiceshy.Ledger(f"sqlite:///{path}?busy_timeout=5", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, lease=0.5, wait=0.2)
+    async def charge(amount: int) -> str:
+        runs.append(amount)
+        return "charged"
+
+    async def main() -> str:
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the claim waits for the writer's lock
+        with twiceshy.run("run-1"):
+            first = asyncio.create_task(charge(4900))
+            await asyncio.sleep(0.3)
+            first.cancel()
+            await asyncio.sleep(0.1)
+            blocker.execute("ROLLBACK")  # now the claim can win
+            blocker.close()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            (record,) = ledger.store.records("", states=list(State))
+            assert record.state is State.RELEASED
+            await asyncio.sleep(0.6)  # past the lease: no doubt may come of it
+            return await charge(4900)
+
+    assert asyncio.run(main()) == "charged"
+    assert runs == [4900]
+    ledger.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -14,7 +15,6 @@ from typing import Any
 
 from ._forks import reset_in_children
 from ._protocol import renewal
-from .errors import StoreError
 from .stores import Store
 
 __all__ = ["Flight", "Flights", "Heartbeat", "Renewal"]
@@ -49,7 +49,9 @@ class Flight:
             waiters, self._waiters = self._waiters, []
         self._done.release()
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            # A waiter's loop may be closed by now: nobody is left to wake there.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, future)
 
     def wait(self, timeout: float) -> bool:
         """Block until the flight lands; ``False`` on timeout."""
@@ -64,14 +66,19 @@ class Flight:
         """Await the flight's landing; ``False`` on timeout."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
+        waiter = (loop, future)
         with self._lock:
             if self._landed:
                 return True
-            self._waiters.append((loop, future))
+            self._waiters.append(waiter)
         try:
             await asyncio.wait_for(future, max(timeout, 0.0))
         except TimeoutError:
             return False
+        finally:
+            with self._lock:  # timed out or cancelled: the flight must not wake this loop later
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
         return True
 
     def outcome(self) -> Any:
@@ -217,7 +224,9 @@ class Heartbeat:
             snap = self._store.write(
                 job.namespace, job.key, renewal(job.fence, job.owner, job.lease)
             )
-        except StoreError:
+        except Exception:
+            # A StoreError, or anything a custom store raises: the thread must live on to renew
+            # this lease at the next beat, and every other call's.
             log.warning("twiceshy: could not renew the lease of key %s", job.key, exc_info=True)
             return
         if not snap.won:

@@ -47,18 +47,20 @@ from ._protocol import (
     Sleep,
     Wait,
     Write,
+    abandoned,
     exponential_backoff,
     protect,
     retry_only,
     settle,
 )
-from ._records import CallEvent, Effect, Outcome, Record, State
+from ._records import CallEvent, Effect, Outcome, Record, Snapshot, State
 from ._scope import Current, current_scope, reset_call, set_call
 from ._tally import Tally
 from .errors import (
     InProgress,
     KeyReuseMismatch,
     MissingScope,
+    NotApplied,
     OutcomeUnknown,
     StoreError,
     UnkeyableArgument,
@@ -133,7 +135,7 @@ class _Seen:
     protocol noted how it answered from the record (it notes only right before that answer).
     """
 
-    __slots__ = ("clock", "interrupted", "key", "outcome")
+    __slots__ = ("clock", "interrupted", "key", "outcome", "ran")
 
     def __init__(self) -> None:
         self.clock = time.perf_counter()
@@ -141,6 +143,8 @@ class _Seen:
         self.outcome = Outcome.EXECUTED
         #: An interruption of the work (a cancelled task, Ctrl-C), which must go on.
         self.interrupted: BaseException | None = None
+        #: Whether the work was started (an attempt may have taken effect).
+        self.ran = False
 
 
 def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
@@ -475,8 +479,11 @@ class Guard:
             elif kind is Now:
                 answer = time.monotonic()
             elif kind is Sleep:
-                time.sleep(cast("Sleep", command).seconds)
-                answer = None
+                try:
+                    time.sleep(cast("Sleep", command).seconds)
+                    answer = None
+                except BaseException as exc:  # Ctrl-C: the protocol records it, then raises it
+                    answer = seen.interrupted = exc
             elif kind is Reconcile and plan is not None:
                 assert self._reconcile is not None
                 answer = _reconciled(self._reconcile, plan.key, bound.arguments)
@@ -504,6 +511,13 @@ class Guard:
             return Ran(error=exc)
         finally:
             self._leave(job, token)
+        if inspect.isawaitable(value):
+            # An async tool protected as a blocking one (a plain decorator around an async def):
+            # nothing has run yet, and nothing will. Released, with an error that says why.
+            close = getattr(value, "close", None)
+            if callable(close):
+                close()
+            return Ran(error=_ReturnedAwaitable(plan.policy.tool))
         return Ran(value=value)
 
     # -- the async driver ------------------------------------------------------------------
@@ -566,10 +580,10 @@ class Guard:
                 assert plan is not None  # an unrecorded call only runs and sleeps
                 memo = self._ledger._memo
                 if memo is None:
-                    answer = await _store_op(store, command, plan)
+                    answer = await self._astore_op(store, command, plan, seen)
                 elif kind is not Claim or (answer := memo.recall(plan)) is None:
                     sent = time.monotonic()
-                    answer = await _store_op(store, command, plan)
+                    answer = await self._astore_op(store, command, plan, seen)
                     memo.keep(plan, answer, sent)
             elif kind is Run:
                 answer = await self._arun(work, plan, cast("Run", command), seen)
@@ -579,8 +593,11 @@ class Guard:
             elif kind is Now:
                 answer = time.monotonic()
             elif kind is Sleep:
-                await asyncio.sleep(cast("Sleep", command).seconds)
-                answer = None
+                try:
+                    await asyncio.sleep(cast("Sleep", command).seconds)
+                    answer = None
+                except BaseException as exc:  # cancelled: the protocol records it, raises it
+                    answer = seen.interrupted = exc
             elif kind is Reconcile and plan is not None:
                 assert self._reconcile is not None
                 answer = _reconciled(self._reconcile, plan.key, bound.arguments)
@@ -593,12 +610,39 @@ class Guard:
             else:  # pragma: no cover - the protocol yields nothing else
                 raise AssertionError(command)
 
+    async def _astore_op(
+        self, store: AsyncStore, command: Command, plan: CallPlan, seen: _Seen
+    ) -> Snapshot:
+        """Carry out a store command; a cancellation lets a claim or a write finish first.
+
+        A claim or write cut off half-way may still commit (in the store's thread, on the
+        server): it could leave this call the owner of work it will never run, or leave an
+        outcome unrecorded. So it runs to its end, shielded, and what it left is then given
+        back (:func:`abandoned`) before the cancellation goes on.
+        """
+        pending = _store_op(store, command, plan)
+        if type(command) is Wait:  # an interrupted wait owns nothing: it just stops waiting
+            return cast(Snapshot, await pending)
+        task = asyncio.ensure_future(pending)
+        try:
+            return cast(Snapshot, await asyncio.shield(task))
+        except asyncio.CancelledError as cancelled:
+            try:
+                snap = await task
+                change = abandoned(plan, snap, seen.ran, cancelled)
+                if change is not None:
+                    await store.write(plan.namespace, plan.key, change)
+            except Exception:
+                log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
+            raise cancelled from None
+
     async def _arun(self, work: _Work, plan: CallPlan | None, command: Run, seen: _Seen) -> Ran:
         if plan is None:
             try:
                 return Ran(value=await work(""))
             except Exception as exc:
                 return Ran(error=exc)
+        seen.ran = True
         job, token = self._enter(plan, command)
         try:
             value = await work(plan.key)
@@ -629,6 +673,27 @@ def _store_op(store: Store | AsyncStore, command: Command, plan: CallPlan) -> An
         )
     assert type(command) is Wait
     return store.wait(plan.namespace, plan.key, command.fence, command.timeout)
+
+
+class _ReturnedAwaitable(NotApplied, TypeError):
+    """A blocking tool answered an awaitable: it did not run; the intent is released."""
+
+    def __init__(self, tool: str) -> None:
+        super().__init__(
+            f"the tool {tool!r} returned an awaitable instead of running: it is async but was "
+            "protected as a blocking tool; protect the async function itself (an async def, or "
+            "a wrapper that is one)"
+        )
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calls of ``fn`` answer a coroutine: an async def, or an object whose ``__call__``
+    is one. A wrapper is taken for what it is, not for what it wraps: a blocking wrapper of an
+    async def may run it to the end itself."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)  # noqa: B004 - the method itself, not callable()
+    return not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
 
 
 def _interruption_goes_on(seen: _Seen, error: BaseException) -> None:
@@ -945,7 +1010,7 @@ class Ledger:
         """
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            is_async = inspect.iscoroutinefunction(fn)
+            is_async = _is_async(fn)
             if reconcile is not None and not is_async and inspect.iscoroutinefunction(reconcile):
                 raise TypeError("a sync tool needs a sync reconcile= function")
             try:

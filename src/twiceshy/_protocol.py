@@ -177,7 +177,10 @@ class Ran:
 
 @dataclass(frozen=True, slots=True)
 class Sleep:
-    """Sleep ``seconds`` (between in-place retries)."""
+    """Sleep ``seconds`` (between in-place retries).
+
+    Answer: ``None``, or the interruption that cut the sleep short (a cancelled task, Ctrl-C).
+    """
 
     seconds: float
 
@@ -304,7 +307,9 @@ def protect(plan: CallPlan) -> Protocol:
     sent, snap = yield from _timed(Claim())
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
-    for _ in range(MAX_STEPS):
+    rounds = 0  # rounds that are not waits: the waits are bounded by the call's wait=
+    while rounds < MAX_STEPS:
+        rounds += 1
         record = snap.record
         if record is None:
             # The record expired between two commands: claim afresh.
@@ -367,6 +372,7 @@ def protect(plan: CallPlan) -> Protocol:
             until_lapse = (record.lease_deadline or snap.now) - snap.now
             settled = Outcome.WAITED
             snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
+            rounds -= 1
             continue
         # UNKNOWN
         if plan.policy.reconcile and not reconciled:
@@ -499,7 +505,21 @@ def _own(
                 raise OutcomeUnknown(plan.policy.tool, plan.key, _describe(error)) from error
             return False, None, snap
         if attempt < plan.policy.attempts:
-            yield Sleep(plan.policy.backoff(attempt))
+            interrupted = yield Sleep(plan.policy.backoff(attempt))
+            if interrupted is not None:
+                # Interrupted between attempts: the last one may have taken effect.
+                reason = f"interrupted by {_describe(interrupted)} after {_describe(error)}"
+                yield Write(
+                    _change(
+                        Actor.OWNER,
+                        record,
+                        _U,
+                        owner=plan.owner,
+                        reason=reason,
+                        error=encode_error(error),
+                    )
+                )
+                raise interrupted
             # Count the attempt in the record and renew the lease before running again: the
             # write also proves this caller still owns the fence.
             snap = yield Write(
@@ -539,6 +559,25 @@ def _own(
         return False, None, snap
 
 
+def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> Change | None:
+    """The write for a call interrupted while a store command was under way, given that
+    command's answer: when it left this call the owner of a CLAIMED record, nobody would renew
+    that lease, and a retry would wait it out. Released when the work never ran; unknown when
+    an attempt did (it may have taken effect). ``None`` when the call owns nothing.
+    """
+    record = snap.record
+    if not snap.won or record is None or record.state is not State.CLAIMED:
+        return None
+    if record.owner != plan.owner:
+        return None
+    if ran:
+        reason = f"interrupted by {_describe(why)} before its outcome was recorded"
+        return _change(
+            Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=encode_error(why)
+        )
+    return _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
+
+
 def retry_only(policy: Policy) -> Protocol:
     """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors.
 
@@ -554,5 +593,7 @@ def retry_only(policy: Policy) -> Protocol:
         error = ran.error
         if _classify(policy, error) is not _Kind.AMBIGUOUS or attempt >= policy.attempts:
             raise error
-        yield Sleep(policy.backoff(attempt))
+        interrupted = yield Sleep(policy.backoff(attempt))
+        if interrupted is not None:
+            raise interrupted
         attempt += 1

@@ -16,6 +16,13 @@ __all__ = ["Current", "current_call", "current_key", "current_scope", "run"]
 
 _scope: contextvars.ContextVar[str | None] = contextvars.ContextVar("twiceshy_scope", default=None)
 
+# The tokens of the scopes entered in this context, innermost last. Kept in the context itself,
+# not in the run object: one object entered by concurrent tasks (each in its own context) must
+# give each task back its own previous scope.
+_entered: contextvars.ContextVar[tuple[contextvars.Token[str | None], ...]] = (
+    contextvars.ContextVar("twiceshy_entered", default=())
+)
+
 
 class Current(NamedTuple):
     """The protected call running in this context."""
@@ -46,13 +53,12 @@ class run:
         ValueError: the scope is empty or not a string.
     """
 
-    __slots__ = ("_scope", "_tokens")
+    __slots__ = ("_scope",)
 
     def __init__(self, scope: str) -> None:
         if not isinstance(scope, str) or not scope:
             raise ValueError(f"a run scope must be a non-empty string, not {scope!r}")
         self._scope = scope
-        self._tokens: list[contextvars.Token[str | None]] = []
 
     @property
     def scope(self) -> str:
@@ -60,7 +66,7 @@ class run:
         return self._scope
 
     def __enter__(self) -> run:
-        self._tokens.append(_scope.set(self._scope))
+        _entered.set((*_entered.get(), _scope.set(self._scope)))
         return self
 
     def __exit__(
@@ -69,7 +75,9 @@ class run:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _scope.reset(self._tokens.pop())
+        *outer, token = _entered.get()
+        _entered.set(tuple(outer))
+        _scope.reset(token)
 
     async def __aenter__(self) -> run:
         return self.__enter__()

@@ -14,9 +14,9 @@ warning) rather than kept and retried forever.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
+from ._forks import reset_in_children
 from ._records import Outcome
 from .errors import StoreError
 from .stores import CallCounts
@@ -46,14 +46,12 @@ class Tally:
         self._wake = threading.Event()
         self._counts: dict[tuple[str, str], int] = {}
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
         self._closed = False
+        reset_in_children(self)
 
     def add(self, tool: str, outcome: Outcome) -> None:
         """Count one call."""
         key = (tool, outcome.value)
-        if self._pid != os.getpid():
-            self._forked()
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
             if self._thread is None and not self._closed:
@@ -62,12 +60,13 @@ class Tally:
                 )
                 self._thread.start()
 
-    def _forked(self) -> None:
-        # A forked child: the counts it inherited are its parent's to flush, and the parent's
-        # lock may have been held by a thread that does not exist here.
+    def _after_fork_in_child(self) -> None:
+        # A forked child: the counts it inherited are its parent's to flush (by any path: a
+        # call, flush_counts() or close()), and the parent's lock may have been held by a
+        # thread that does not exist here.
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._pid, self._counts, self._thread = os.getpid(), {}, None
+        self._counts, self._thread = {}, None
 
     def pending(self) -> dict[tuple[str, str], int]:
         """The counts not yet added to the store (a copy)."""

@@ -1,0 +1,207 @@
+"""Edge states of the ledger's own machinery: the heartbeat, the in-process join, waits, scopes
+and tools that are not what they seem."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import twiceshy
+from twiceshy import Change, Snapshot, State
+from twiceshy.stores.memory import MemoryStore
+
+
+class FirstRenewalFails(MemoryStore):
+    """A store whose first lease renewal raises what no store error is (a custom store's bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewals = 0
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        renewal = change.to is State.CLAIMED and change.lease is not None
+        if renewal and change.new_owner is None and not change.count_attempt:
+            self.renewals += 1
+            if self.renewals == 1:
+                raise ConnectionError("a network blip the store did not expect")
+        return super().write(namespace, key, change)
+
+
+def test_a_renewal_that_raises_anything_leaves_the_heartbeat_renewing() -> None:
+    """The owner's lease is renewed at the next beat: nobody takes over a running call."""
+    store = FirstRenewalFails()
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    other = twiceshy.Ledger(store=store, counts_interval=None)  # another process, in effect
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, lease=0.3, name="job")
+    def job(x: int) -> int:
+        runs.append("owner")
+        time.sleep(1.2)
+        return x
+
+    @other.tool(effect=twiceshy.KEYED, lease=0.3, wait=0.1, name="job")
+    def job_elsewhere(x: int) -> int:
+        runs.append("other")
+        return x
+
+    def owner() -> None:
+        with twiceshy.run("run-1"):
+            job(1)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    time.sleep(0.7)  # past the lease, had the failed renewal been the last one
+    with twiceshy.run("run-1"), pytest.raises(twiceshy.InProgress):
+        job_elsewhere(1)
+    thread.join(10)
+    assert runs == ["owner"]
+    assert store.renewals >= 2
+
+
+def test_a_joined_caller_whose_loop_is_gone_does_not_fail_the_leader() -> None:
+    """An async duplicate gave up (InProgress) and its event loop closed: the leader's own call
+    still answers its result."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    answers: dict[str, Any] = {}
+
+    @ledger.tool(effect=twiceshy.KEYED, wait=0.2)
+    def pay(x: int) -> str:
+        time.sleep(0.8)
+        return "paid"
+
+    def leader() -> None:
+        with twiceshy.run("run-1"):
+            try:
+                answers["leader"] = pay(1)
+            except BaseException as exc:  # what the leader's caller would get
+                answers["leader"] = exc
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    time.sleep(0.2)
+
+    async def joined() -> Any:
+        with twiceshy.run("run-1"):
+            return await pay.twiceshy.acall({"x": 1}, lambda: asyncio.sleep(0))  # type: ignore[attr-defined]
+
+    with pytest.raises(twiceshy.InProgress):
+        asyncio.run(joined())  # the loop is closed once this returns
+    thread.join(10)
+    assert answers["leader"] == "paid"
+
+
+class WakesAtOnce(MemoryStore):
+    """A store whose waits return at once, as a wait may (a spurious wake-up)."""
+
+    def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        time.sleep(0.001)
+        return self.get(namespace, key)
+
+
+def test_a_duplicate_woken_often_waits_its_whole_wait() -> None:
+    """However many times its waits end early, a duplicate waits ``wait=``, then InProgress:
+    never a store error for "too many rounds"."""
+    store = WakesAtOnce()
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    other = twiceshy.Ledger(store=store, counts_interval=None)
+    release = threading.Event()
+
+    @ledger.tool(effect=twiceshy.KEYED, name="job")
+    def job(x: int) -> int:
+        release.wait(10)
+        return x
+
+    @other.tool(effect=twiceshy.KEYED, wait=0.6, name="job")
+    def job_elsewhere(x: int) -> int:
+        raise AssertionError("the intent is running elsewhere")
+
+    def owner() -> None:
+        with twiceshy.run("run-1"):
+            job(1)
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    with twiceshy.run("run-1"), pytest.raises(twiceshy.InProgress):
+        job_elsewhere(1)  # some hundreds of early wake-ups
+    assert time.monotonic() - started >= 0.55
+    release.set()
+    thread.join(10)
+
+
+def test_one_run_object_serves_concurrent_tasks() -> None:
+    """A scope made once and entered by parallel tool calls gives each its scope back."""
+    scope = twiceshy.run("run-1")
+
+    async def call(delay: float) -> str | None:
+        async with scope:
+            await asyncio.sleep(delay)
+            inside = twiceshy.current_scope()
+        assert twiceshy.current_scope() is None
+        return inside
+
+    async def main() -> list[str | None]:
+        return await asyncio.gather(call(0.05), call(0.1))
+
+    assert asyncio.run(main()) == ["run-1", "run-1"]
+    with scope, twiceshy.run("inner"):
+        assert twiceshy.current_scope() == "inner"
+    assert twiceshy.current_scope() is None
+
+
+class SendMail:
+    """A tool object whose ``__call__`` is async."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def __call__(self, to: str) -> str:
+        self.sent.append(to)
+        return "sent"
+
+
+def test_an_object_with_an_async_call_is_an_async_tool() -> None:
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    mailer = SendMail()
+    send = ledger.tool(effect=twiceshy.KEYED, name="send_mail")(mailer)
+
+    async def main() -> list[str]:
+        with twiceshy.run("run-1"):
+            return [await send("ada@example.com"), await send("ada@example.com")]
+
+    assert asyncio.run(main()) == ["sent", "sent"]
+    assert mailer.sent == ["ada@example.com"]
+
+
+def test_a_blocking_wrapper_of_an_async_tool_is_refused_and_released() -> None:
+    """Protected as a blocking tool, an async def behind a plain decorator answers a coroutine:
+    it never ran, so the intent is released with an error that says why, not recorded FAILED."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    posted: list[str] = []
+
+    def logged(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    @logged
+    async def post(text: str) -> str:
+        posted.append(text)
+        return "posted"
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(TypeError, match="returned an awaitable"):
+            post("hello")
+        (record,) = ledger.store.records("")
+    assert record.state is State.RELEASED
+    assert posted == []
