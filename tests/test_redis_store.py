@@ -187,8 +187,9 @@ class CuttingProxy:
     a dropped connection and does not know whether its command ran.
     """
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    def __init__(self, target: tuple[str, int], on_cut: Callable[[], None] = lambda: None) -> None:
         self.target = target
+        self.on_cut = on_cut  # run after a reply is swallowed, before its connection closes
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(0.1)
         self.port = self.listener.getsockname()[1]
@@ -224,6 +225,7 @@ class CuttingProxy:
                     if sock is server and self._armed.is_set():
                         self._armed.clear()
                         self.cuts += 1
+                        self.on_cut()
                         return
                     (server if sock is client else client).sendall(data)
         except OSError:
@@ -314,14 +316,18 @@ def test_server_clock_sets_the_lease(stores: Callable[..., RedisStore], admin: r
 def test_outcomes_expire_on_the_server_claims_and_unknowns_never(
     stores: Callable[..., RedisStore], admin: redis.Redis
 ) -> None:
-    """On the server clock a SUCCEEDED record with a ttl has a real PTTL; CLAIMED/UNKNOWN none."""
-    store = stores()
+    """On the server clock a SUCCEEDED record with a ttl has a real PTTL; CLAIMED/UNKNOWN none.
+
+    The real TTL lasts a grace (2 * socket_timeout + 1 s) past the logical expiry, for the
+    second attempt of a write whose reply was lost.
+    """
+    store = stores(socket_timeout=0.5)
     rec, _ = store.key_names(NS, "done")
     claimed = claim(store, "done")
     assert admin.pttl(rec) == -1
     done = settle(store, claimed, State.SUCCEEDED, result='"ok"', ttl=60)
     assert done.won
-    assert 0 < admin.pttl(rec) <= 60_001  # PEXPIREAT rounds up to the millisecond
+    assert 61_000 < admin.pttl(rec) <= 62_001  # PEXPIREAT rounds up to the millisecond
     assert done.record is not None
     assert done.record.expires_at == pytest.approx(done.now + 60)
 
@@ -333,7 +339,9 @@ def test_outcomes_expire_on_the_server_claims_and_unknowns_never(
     short_rec, _ = store.key_names(NS, "short")
     short = settle(store, claim(store, "short"), State.FAILED, error='"no"', ttl=0.2)
     assert short.won
-    wait_until(lambda: admin.exists(short_rec) == 0, timeout=3)  # Redis expired it itself
+    wait_until(lambda: store.get(NS, "short").record is None, timeout=2)  # logically gone
+    assert admin.exists(short_rec) == 1  # the grace: a lost reply's retry still finds it
+    wait_until(lambda: admin.exists(short_rec) == 0, timeout=5)  # Redis expired it itself
     again = claim(store, "short", owner="bob")
     assert again.won
     assert again.record is not None
@@ -549,6 +557,39 @@ def test_lost_replies_are_recognised_not_applied_twice(url: str, prefix: str) ->
         assert (done.record.state, done.record.fence) == (State.SUCCEEDED, 2)
     finally:
         store.close()
+        proxy.close()
+
+
+def test_a_lost_final_reply_retried_past_the_ttl_replays_the_owners_value(prefix: str) -> None:
+    """G9/G10: the completion's reply is lost and its retry comes after the ttl: no second run.
+
+    The retry recognises its write, so the owner returns its own value; taking the expired
+    record for a write that never happened would claim the key afresh and run the tool again.
+    """
+    now = [1_700_000_000.0]
+
+    def later() -> None:
+        now[0] += 10  # the store's clock passes the ttl between the two attempts
+
+    proxy = CuttingProxy(("127.0.0.1", 6379), on_cut=later)
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0", prefix=prefix, clock=lambda: now[0])
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, ttl=1.0)
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        if len(runs) == 1:
+            proxy.cut_reply()  # the next reply is the completion's
+        return "charged"
+
+    try:
+        with twiceshy.run("run-1"):
+            assert charge(5) == "charged"
+        assert proxy.cuts == 1
+        assert runs == [5]
+    finally:
+        ledger.close()
         proxy.close()
 
 

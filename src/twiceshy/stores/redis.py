@@ -42,40 +42,46 @@ Clock:
     :class:`~twiceshy.Snapshot` carries the ``now`` the script used.
 
 Retention:
-    An outcome with a ttl is logically gone once ``expires_at <= now``; every script checks that, so
-    a record past its retention is never answered, and a claim over a hash still present starts a
-    new life with fence + 1 (once the hash is deleted — by Redis, or by
-    :meth:`RedisStore.purge_expired` — the key starts again at fence 1, as in every store, since the
-    old record no longer lives). On the server's clock a SUCCEEDED, FAILED or RELEASED record with a
-    ttl also gets ``PEXPIREAT`` at its ``expires_at`` (rounded up to the millisecond), so Redis
-    frees the memory itself; CLAIMED and UNKNOWN records never carry a TTL (``PERSIST`` on every
-    write to them). With a caller's clock no real TTL is set: that clock's timeline says nothing
-    about when Redis's own clock will pass ``expires_at``, and a real TTL that fired before the
-    logical expiry would forget an outcome that still counts (a retry would run the work again).
-    Such records stay until :meth:`RedisStore.purge_expired` deletes them.
+    An outcome with a ttl is logically gone once ``expires_at <= now``; every script checks that,
+    so a record past its retention is never answered, and a claim over a hash still present starts
+    a new life with fence + 1 (once the hash is deleted — by Redis, or by
+    :meth:`RedisStore.purge_expired` — the key starts again at fence 1, as in every store, since
+    the old record no longer lives). On the server's clock a SUCCEEDED, FAILED or RELEASED record
+    with a ttl also gets ``PEXPIREAT`` a grace of ``2 * socket_timeout + 1`` seconds after its
+    ``expires_at`` (see "Lost replies"), so Redis frees the memory itself; CLAIMED and UNKNOWN
+    records never carry a TTL (``PERSIST`` on every write to them). With a caller's clock no real
+    TTL is set: that clock's timeline says nothing about when Redis's own clock will pass
+    ``expires_at``, and a real TTL that fired before the logical expiry would forget an outcome
+    that still counts (a retry would run the work again). Such records stay until
+    :meth:`RedisStore.purge_expired` deletes them.
 
 Waiters:
-    A guarded write that settles a record or moves it to a new fence ``PUBLISH``es on the
-    record's wake channel in the same script, only when it applied. Each store object has one
-    subscriber connection and one reader thread (started on first wait, ended after a while
-    without waiters), which dispatches messages to the waiters, sync and async alike (an async
-    waiter is woken on its own event loop). A waiter subscribes, waits until the subscription is
-    confirmed, and only then re-reads the record, so no wake-up is lost. A lost subscriber
-    connection wakes every waiter to re-read and is re-established with backoff; besides, every
-    waiter re-reads every ``reread_interval`` (1 s by default), and every wait is bounded by its
-    timeout. Plain ``PUBLISH`` is used, not Redis 7's sharded ``SPUBLISH``: one subscriber
-    connection can then hear every channel whichever node it is on; the channel shares the
-    record's hash tag, so moving to ``SPUBLISH`` with per-shard subscribers changes one word in
-    the script.
+    A guarded write that settles a record or moves it to a new fence ``PUBLISH``es on the record's
+    wake channel in the same script, only when it applied (a ``PUBLISH`` that fails, e.g. for an
+    ACL user without rights on the channel, never fails the write). Each store object has one
+    subscriber connection and one reader thread (started on first wait, ended after a while without
+    waiters), which dispatches messages to the waiters, sync and async alike (an async waiter is
+    woken on its own event loop). A waiter subscribes, waits until the subscription is confirmed,
+    and only then re-reads the record, so no wake-up is lost. A lost subscriber connection wakes
+    every waiter to re-read and is re-established with backoff; besides, every waiter re-reads
+    every ``reread_interval`` (1 s by default), and every wait is bounded by its timeout. A
+    ``SUBSCRIBE`` the server refuses (Redis 7 ACL users get no channels by default) is logged once,
+    on the ``twiceshy`` logger, and its waiters fall back to re-reading every ``reread_interval``.
+    Plain ``PUBLISH`` is used, not Redis 7's sharded ``SPUBLISH``: one subscriber connection can
+    then hear every channel whichever node it is on; the channel shares the record's hash tag, so
+    moving to ``SPUBLISH`` with per-shard subscribers changes one word in the script.
 
 Lost replies:
     redis-py's own retries are switched off: a command is sent once per attempt, by this module.
     When a connection drops or times out around a command, the store sends the same script once
     more on a fresh connection, which is safe for each of them: a claim recognises its own owner
-    token (``won=True`` for the claim it already made); a write carries a random ``write_id``
-    that the script stores with the change, and a write whose id the record already shows
-    answers ``won=True`` without applying anything again (the record shows exactly this write);
-    otherwise the guarded write is applied, once. If that second attempt fails too,
+    token (``won=True`` for the claim it already made); a write carries a random ``write_id`` that
+    the script stores with the change, and a write whose id the record already shows answers
+    ``won=True`` without applying anything again (the record shows exactly this write), even when
+    the record has passed its retention in between (a short ttl): the write stands, and the caller
+    must not take the missing record for a write that never happened. That is why Redis keeps an
+    outcome's hash a grace past its ``expires_at``: the longest the second attempt can come after
+    the first. Otherwise the guarded write is applied, once. If that second attempt fails too,
     :class:`~twiceshy.StoreUnavailable` is raised.
 
 Errors:
@@ -107,7 +113,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
+import logging
 import secrets
 import threading
 import time
@@ -130,10 +136,11 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from .._forks import reset_in_children
 from .._records import Change, Effect, Record, Snapshot, State
 from ..errors import StoreError, StoreUnavailable
 
@@ -236,14 +243,17 @@ WRITE_SCRIPT: Final = (
 -- ARGV: [1] clock ("" = TIME), [2] write id (random, one per write), [3] wake channel,
 --       [4] fence, [5] allowed states as ",s1,s2,", [6] to, [7] owner guard, [8] lapsed "1"/"0",
 --       [9] new owner, [10] lease (seconds), [11] count attempt "1"/"0", [12] result,
---       [13] error, [14] reason, [15] ttl (seconds), [16] real expiry "1"/"0" (PEXPIREAT).
+--       [13] error, [14] reason, [15] ttl (seconds), [16] real expiry: "" for none, else
+--       "=" + how long past expires_at Redis keeps the hash (seconds; PEXPIREAT).
 --       Optional values ([7], [9], [10], [12] to [15]) are "" for none, else "=" + the value.
 -- A record whose write id is ARGV[2] already shows this very write: it answers won, changing
--- nothing. Publishes on the wake channel when the record settles or changes fence.
+-- nothing, even past its retention (the second attempt of a write whose reply was lost may come
+-- after a short ttl: it must learn that its write stands, not that the record is gone).
+-- Publishes on the wake channel when the record settles or changes fence.
 local now = clock(ARGV[1])
 local f = record(KEYS[1])
+if f ~= nil and f.write_id == ARGV[2] then return reply('1', now, f) end
 if f == nil or not live(f, now) then return reply('0', now, nil) end
-if f.write_id == ARGV[2] then return reply('1', now, f) end
 if tonumber(f.fence) ~= tonumber(ARGV[4])
     or not string.find(ARGV[5], ',' .. f.state .. ',', 1, true) then
   return reply('0', now, f)
@@ -259,6 +269,7 @@ local final = to == 'succeeded' or to == 'failed' or to == 'released'
 local new_owner = opt(ARGV[9])
 local lease = opt(ARGV[10])
 local ttl = opt(ARGV[15])
+local grace = opt(ARGV[16])
 local set = {'state', to, 'updated_at', num(now), 'write_id', ARGV[2]}
 local unset = {}
 local function put(name, value)
@@ -292,12 +303,16 @@ if #unset > 0 then
   redis.call('HDEL', KEYS[1], unpack(unset))
   for _, name in ipairs(unset) do f[name] = nil end
 end
-if expires ~= nil and ARGV[16] == '1' then
-  redis.call('PEXPIREAT', KEYS[1], string.format('%d', math.ceil(expires * 1000)))
+if expires ~= nil and grace ~= nil then
+  local at = math.ceil((expires + tonumber(grace)) * 1000)
+  redis.call('PEXPIREAT', KEYS[1], string.format('%d', at))
 else
   redis.call('PERSIST', KEYS[1])
 end
-if to ~= 'claimed' or new_owner ~= nil then redis.call('PUBLISH', ARGV[3], to) end
+-- pcall: the write above stands whatever PUBLISH does (Redis never rolls a script back), and a
+-- user without rights on the channel (Redis 7 ACLs grant none by default) must still get the
+-- write's answer; its waiters then see the change at their next re-read.
+if to ~= 'claimed' or new_owner ~= nil then redis.pcall('PUBLISH', ARGV[3], to) end
 -- f is the hash as written: its fields before, with set's written and unset's removed.
 return reply('1', now, f)
 """
@@ -336,6 +351,8 @@ _SCRIPTS: Final = (CLAIM_SCRIPT, WRITE_SCRIPT, READ_SCRIPT, PURGE_SCRIPT)
 # --------------------------------------------------------------------------------------------
 
 T = TypeVar("T")
+
+log = logging.getLogger("twiceshy")
 
 _URL_OPTIONS: Final = frozenset({"prefix", "wait_replicas", "wait_timeout", "reread_interval"})
 _SCAN_COUNT: Final = 500
@@ -553,6 +570,8 @@ class _Subscriber:
         self._lock = threading.Lock()
         self._conn: _PubSubConnection | None = None
         self._broken = False
+        self._answered = False  # the current connection has answered a command
+        self._refusal_logged = False
         self._channels: dict[bytes, _Channel] = {}
         self._sent: deque[tuple[bytes, _Channel | None]] = deque()
         self._thread: threading.Thread | None = None
@@ -623,7 +642,6 @@ class _Subscriber:
                 conn.connect()
                 if not self._install(conn):
                     return
-                delay = _BACKOFF_FIRST
                 self._read(conn)
                 return  # stopped, or idle long enough
             except Exception:
@@ -632,6 +650,10 @@ class _Subscriber:
                 pass
             finally:
                 self._uninstall(conn)
+            # The pause grows until a connection answers: one that fails before it ever
+            # answered (connected, then refused or cut at once) must not be retried at once.
+            if self._answered:
+                delay = _BACKOFF_FIRST
             if self._stop.wait(delay):
                 return
             delay = min(delay * 2, _BACKOFF_CAP)
@@ -656,7 +678,7 @@ class _Subscriber:
         with self._lock:
             if self._stop.is_set():
                 return False
-            self._conn, self._broken = conn, False
+            self._conn, self._broken, self._answered = conn, False, False
             self._sent.clear()
             for channel, entry in self._channels.items():
                 entry.confirmed = False
@@ -684,8 +706,42 @@ class _Subscriber:
                 return
             if not conn.can_read(timeout=_READ_POLL):
                 continue
-            # RESP3 (redis-py's default) delivers pub/sub as push frames: ask for them.
-            self._dispatch(conn.read_response(disconnect_on_error=False, push_request=True))
+            try:
+                # RESP3 (redis-py's default) delivers pub/sub as push frames: ask for them.
+                message = conn.read_response(disconnect_on_error=False, push_request=True)
+            except ResponseError as exc:
+                self._refused(exc)
+                continue
+            self._dispatch(message)
+
+    def _refused(self, exc: ResponseError) -> None:
+        """The server refused the oldest command sent (e.g. ``NOPERM`` for the channel).
+
+        The connection stays: it answers in order, and other channels may be allowed. The
+        waiters of a refused channel are let read at once and then every re-read interval,
+        since no wake-up will come for them; the channel is asked for again only when a waiter
+        comes after they have all left.
+        """
+        with self._lock:
+            if not self._sent:
+                raise RedisError(f"pub/sub error with no command waiting: {exc}") from exc
+            self._answered = True
+            channel, sent_for = self._sent.popleft()
+            if sent_for is None or self._channels.get(channel) is not sent_for:
+                return  # an UNSUBSCRIBE, or a subscription nobody waits on any more
+            sent_for.confirmed = True  # as far as the waiters can go: read, then re-read
+            for watch in sent_for.watches:
+                watch.ready()
+            first, self._refusal_logged = not self._refusal_logged, True
+        if first:
+            log.warning(
+                "Redis ledger: the server refuses to SUBSCRIBE to %s (%s); waiters for a call "
+                "running elsewhere will not be woken, and re-read the record every "
+                "reread_interval instead. Grant the ledger's user its channels (ACL: "
+                "&<prefix>:*) to wake them at once.",
+                channel.decode(errors="replace"),
+                exc,
+            )
 
     def _dispatch(self, message: object) -> None:
         if not isinstance(message, list) or len(message) < 2:
@@ -693,6 +749,7 @@ class _Subscriber:
         # Bytes, unless the URL asked redis-py to decode (decode_responses=true).
         kind, channel = (part.encode() if isinstance(part, str) else part for part in message[:2])
         with self._lock:
+            self._answered = True
             if kind == b"message":
                 entry = self._channels.get(channel)
                 for watch in entry.watches if entry is not None else ():
@@ -791,11 +848,21 @@ class _Core:
         self.reread = _seconds(reread_interval, "reread_interval")
         if self.reread <= 0:
             raise ValueError("reread_interval= must be positive")
+        if wait_replicas > 0 and self.wait_ms / 1000 >= self.socket_timeout:
+            # The reply to the pipelined WAIT comes only after wait_timeout: on a socket that
+            # gives up first, every write with a lagging replica would end as a lost reply.
+            raise ValueError(
+                "wait_timeout= must be shorter than socket_timeout= when wait_replicas= is set"
+            )
+        # How long Redis keeps an outcome's hash past its expires_at: the second attempt of a
+        # write whose reply was lost comes at most one socket_timeout (the lost answer) plus one
+        # (a new connection) after the first, and must still find the write it recognises.
+        self.expiry_grace = 2 * self.socket_timeout + 1.0
         self.client_name = client_name
         self.closed = False
-        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._subscriber: _Subscriber | None = None
+        reset_in_children(self)
         self.pool = redis.ConnectionPool.from_url(url, **self.connection_options(Retry))
         self.client = redis.Redis(connection_pool=self.pool)
         try:
@@ -885,7 +952,7 @@ class _Core:
             _opt(change.error),
             _opt(change.reason),
             _num(change.ttl),
-            "1" if self.clock is None else "0",
+            _num(self.expiry_grace) if self.clock is None else "",
         ]
 
     def scan_now(self, server_time: tuple[int, int] | None) -> float:
@@ -908,14 +975,20 @@ class _Core:
         if self.closed:
             raise StoreError(f"Redis ledger {self.safe_url} is closed")
 
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: a lock no parent thread holds, and no parent's subscriber.
+
+        The parent's reader thread does not exist here, and its lock may have been held at the
+        fork. Its connection is left alone, never closed from here (redis-py shuts down no
+        socket of another process); the child's first waiter starts a subscriber of its own.
+        """
+        self._lock = threading.Lock()
+        self._subscriber = None
+
     def subscriber(self) -> _Subscriber:
         with self._lock:
             self.check_open()
-            pid = os.getpid()
-            if self._subscriber is None or pid != self._pid:
-                # In a forked child the parent's reader thread does not exist; its connection
-                # is left alone (redis-py never shuts down a socket of another process).
-                self._pid = pid
+            if self._subscriber is None:
                 pool = self.pool
 
                 def connect() -> _PubSubConnection:
@@ -952,7 +1025,8 @@ class RedisStore:
         socket_timeout: how long to wait to connect, and for any answer.
         wait_replicas: after each claim and write that took effect, wait until this many
             replicas acknowledged it (``WAIT``), else raise :class:`~twiceshy.StoreError`.
-        wait_timeout: how long ``WAIT`` may take.
+        wait_timeout: how long ``WAIT`` may take; shorter than ``socket_timeout`` when
+            ``wait_replicas`` is set.
         reread_interval: how often a waiter re-reads the record when no wake-up arrives.
         client_name: the name of every connection (``CLIENT SETNAME``), for operators.
 
@@ -1301,6 +1375,20 @@ class AsyncRedisStore:
         self._owns_core = owns_core
         self._clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
         self._clients_lock = threading.Lock()
+        self._inherited: list[_LoopClient] = []
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: a lock no parent thread holds, and none of the parent's clients.
+
+        redis.asyncio does not tell processes apart, so a child on a loop of its parent's would
+        share the parent's sockets. They are kept, unused and never closed: closing them from
+        here (their loop's async generators would, once collected) could end the parent's
+        sessions (a TLS close).
+        """
+        self._clients_lock = threading.Lock()
+        self._inherited += self._clients.values()
+        self._clients = {}
 
     @classmethod
     def from_url(cls, url: str, *, clock: Callable[[], float] | None = None) -> AsyncRedisStore:
