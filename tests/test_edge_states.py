@@ -205,3 +205,79 @@ def test_a_blocking_wrapper_of_an_async_tool_is_refused_and_released() -> None:
         (record,) = ledger.store.records("")
     assert record.state is State.RELEASED
     assert posted == []
+
+
+def test_a_key_parameter_defaulting_to_empty_text_gets_the_intent_key() -> None:
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def send(to: str, idempotency_key: str = "") -> str:
+        return idempotency_key
+
+    with twiceshy.run("run-1"):
+        assert send("ada@example.com") == twiceshy.idempotency_key(
+            "run-1", "send", {"to": "ada@example.com"}
+        )
+        assert send("ada@example.com", idempotency_key="chosen") == "chosen"
+
+
+def test_a_reconciler_whose_result_cannot_be_stored_leaves_the_doubt() -> None:
+    """It says the call happened, with a result that has no JSON form: the record cannot say
+    so, and every call is told the outcome is unknown (never the storage error)."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+
+    def reconcile(key: str, arguments: Any) -> twiceshy.Happened:
+        return twiceshy.Happened({"took": object()})
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=reconcile)
+    def charge(amount: int) -> dict[str, int]:
+        raise TimeoutError("the gateway did not answer")
+
+    with twiceshy.run("run-1"):
+        for _ in range(2):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                charge(4900)
+    (record,) = ledger.store.records("")
+    assert record.state is State.UNKNOWN
+
+
+class LateClaimAnswer(MemoryStore):
+    """A store whose answer to one thread's claim arrives late (a slow round trip, a pause)."""
+
+    def claim(self, *args: Any, **kwargs: Any) -> Snapshot:
+        snap = super().claim(*args, **kwargs)
+        if threading.current_thread().name == "late-owner":
+            time.sleep(0.9)
+        return snap
+
+
+def test_an_unsafe_owner_answered_late_renews_its_lease_before_a_duplicate_finds_it_lapsed() -> (
+    None
+):
+    """Most of its 1 s lease was gone when the claim's answer came: it runs anyway (nobody else
+    will), and its heartbeat renews at once, so a duplicate finds the call running, not lapsed."""
+    store = LateClaimAnswer()
+    tools = []
+    for _ in range(2):
+        ledger = twiceshy.Ledger(store=store, counts_interval=None)
+
+        @ledger.tool(effect=twiceshy.UNSAFE, lease=1.0, wait=0.05, name="charge")
+        def charge(amount: int) -> str:
+            time.sleep(1.5)
+            return "charged"
+
+        tools.append(charge)
+    owner_tool, duplicate = tools
+    answers: dict[str, Any] = {}
+
+    def owner() -> None:
+        with twiceshy.run("run-1"):
+            answers["owner"] = owner_tool(1)
+
+    thread = threading.Thread(target=owner, name="late-owner")
+    thread.start()
+    time.sleep(1.1)  # past the lease granted at the claim, had nobody renewed it
+    with twiceshy.run("run-1"), pytest.raises(twiceshy.InProgress):
+        duplicate(1)
+    thread.join(10)
+    assert answers["owner"] == "charged"

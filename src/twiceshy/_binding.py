@@ -156,7 +156,8 @@ class Binder:
         explicit = None
         if self._key_param is not None:
             given = named.get(self._key_param)
-            if given is not None:
+            # The parameter's own default (None, or "" in a typed spelling) is "no key given".
+            if given is not None and given is not self._defaults.get(self._key_param):
                 if not isinstance(given, str) or not given:
                     raise TypeError(f"{self._key_param} must be a non-empty string")
                 explicit = given

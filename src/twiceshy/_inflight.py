@@ -172,9 +172,19 @@ class Heartbeat:
         self._thread = None
         self._wake_at = -math.inf
 
-    def start(self, namespace: str, key: str, fence: int, owner: str, lease: float) -> Renewal:
-        """Begin renewing a lease."""
-        job = Renewal(namespace, key, fence, owner, lease, time.monotonic() + lease / 3)
+    def start(
+        self,
+        namespace: str,
+        key: str,
+        fence: int,
+        owner: str,
+        lease: float,
+        renew_by: float = math.inf,
+    ) -> Renewal:
+        """Begin renewing a lease: first a third of it from now, or at ``renew_by`` (monotonic)
+        if that is sooner."""
+        due = min(time.monotonic() + lease / 3, renew_by)
+        job = Renewal(namespace, key, fence, owner, lease, due)
         with self._cond:
             job.seq = next(self._seq)
             heapq.heappush(self._heap, (job.due, job.seq, job))

@@ -401,7 +401,7 @@ class Guard:
     def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Token[Current | None]]:
         """Start renewing the lease and make the call current, before the work runs."""
         job = self._ledger._heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease
+            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease, command.renew_by
         )
         return job, set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
 

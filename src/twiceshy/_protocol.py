@@ -12,6 +12,7 @@ for is built by :func:`_change`, which refuses one the table does not allow.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -155,10 +156,15 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`)."""
+    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
+
+    ``renew_by``: the monotonic time by which the lease must first be renewed (the owner's
+    trust in it ends then), if sooner than the heartbeat's own first beat.
+    """
 
     fence: int
     attempt: int
+    renew_by: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +299,12 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
     (RELEASED); anything else (``None``: it cannot tell) leaves the doubt standing.
     """
     if isinstance(answer, Happened):
-        text = policy.codec.encode(answer.result)
+        try:
+            text = policy.codec.encode(answer.result)
+        except ResultNotStorable:
+            # It happened, but its result cannot be kept: the record cannot say so, and the
+            # doubt stands (the caller is told the outcome is unknown, as before asking).
+            return None
         return _change(Actor.RECONCILER, record, _S, result=text, ttl=policy.ttl)
     if isinstance(answer, DidNotHappen):
         return _change(Actor.RECONCILER, record, _R, ttl=policy.ttl)
@@ -416,6 +427,9 @@ def _own(
     """
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
+    # An UNSAFE owner past its trust runs anyway: its heartbeat renews the lease at once then,
+    # before a duplicate can find it lapsed and call a running call's outcome unknown.
+    renew_by = trusted_until
     if plan.policy.effect is not Effect.UNSAFE:
         now = yield Now()
         if now >= trusted_until:
@@ -426,8 +440,10 @@ def _own(
                 return False, None, snap
             assert snap.record is not None
             record = snap.record
+            renew_by = math.inf  # a lease just renewed: the heartbeat's own beat will do
     while True:
-        ran: Ran = yield Run(record.fence, attempt)
+        ran: Ran = yield Run(record.fence, attempt, renew_by)
+        renew_by = math.inf  # every later attempt follows a renewal (count_attempt below)
         error = ran.error
         if error is not None and not isinstance(error, Exception):
             # Interrupted while the work ran (a cancelled task, Ctrl-C): nothing is known of its
