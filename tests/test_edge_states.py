@@ -281,3 +281,29 @@ def test_an_unsafe_owner_answered_late_renews_its_lease_before_a_duplicate_finds
         duplicate(1)
     thread.join(10)
     assert answers["owner"] == "charged"
+
+
+class PaymentError(Exception):
+    """A failure the tool lists as certain."""
+
+
+class CardDeclined(PaymentError):
+    """A kind of it the tool does not list by name."""
+
+
+def test_a_listed_failure_of_a_subclass_replays_as_the_listed_type() -> None:
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, definite=(PaymentError,))
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        raise CardDeclined("the card was declined")
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(CardDeclined):
+            charge(4900)
+        with pytest.raises(PaymentError, match="the card was declined") as replayed:
+            charge(4900)  # the caller's `except PaymentError` holds for the replay too
+    assert type(replayed.value) is PaymentError
+    assert runs == [4900]

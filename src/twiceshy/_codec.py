@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from .errors import ResultNotStorable
 
-__all__ = ["MAX_RESULT_BYTES", "ResultCodec", "decode_error", "encode_error"]
+__all__ = ["MAX_RESULT_BYTES", "ResultCodec", "decode_error", "encode_error", "type_name"]
 
 MAX_RESULT_BYTES = 1_048_576
 """The default bound on a stored result's JSON text, in UTF-8 bytes."""
@@ -244,16 +244,24 @@ def _dataclass_rebuilder(cls: type) -> Rebuild:
     return rebuild
 
 
-def encode_error(exc: BaseException) -> str:
-    """The JSON text kept for a failed call: the error's type and message."""
-    kind = type(exc)
+def type_name(kind: type) -> str:
+    """A type's qualified name, as stored errors name it."""
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def encode_error(exc: BaseException, listed: type[BaseException] | None = None) -> str:
+    """The JSON text kept for a failed call: the error's type and message, and the ``definite=``
+    type it was recorded as, when that is a base of its own."""
+    data = {"type": type_name(type(exc)), "message": str(exc)}
+    if listed is not None and listed is not type(exc):
+        data["as"] = type_name(listed)
     # ASCII escapes keep any text storable, lone surrogates included.
-    return json.dumps({"type": f"{kind.__module__}.{kind.__qualname__}", "message": str(exc)})
+    return json.dumps(data)
 
 
-def decode_error(text: str | None) -> tuple[str, str]:
-    """The type name and message of a stored error."""
+def decode_error(text: str | None) -> tuple[str, str, str]:
+    """The type name, message and listed type name ("" for none) of a stored error."""
     if not text:
-        return "", ""
+        return "", "", ""
     data = json.loads(text)
-    return str(data.get("type", "")), str(data.get("message", ""))
+    return str(data.get("type", "")), str(data.get("message", "")), str(data.get("as", ""))

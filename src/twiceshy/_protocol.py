@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-from ._codec import ResultCodec, decode_error, encode_error
+from ._codec import ResultCodec, decode_error, encode_error, type_name
 from ._records import Change, Effect, Outcome, Record, Snapshot, State
 from .errors import (
     InProgress,
@@ -278,14 +278,24 @@ def _classify(policy: Policy, error: BaseException) -> _Kind:
 
 def _replay_error(plan: CallPlan, text: str | None) -> BaseException:
     """The recorded failure as an exception: its own type where it can be rebuilt."""
-    type_name, message = decode_error(text)
-    for kind in plan.policy.definite:
-        if f"{kind.__module__}.{kind.__qualname__}" == type_name:
-            try:
-                return kind(message)
-            except Exception:
-                break
-    return ReplayedError(type_name, message)
+    name, message, listed = decode_error(text)
+    # Its own type when the tool lists it; else the listed base it was recorded as (a
+    # CardDeclined recorded under definite=(PaymentError,) replays as a PaymentError).
+    for wanted in (name, listed):
+        for kind in plan.policy.definite:
+            if wanted and type_name(kind) == wanted:
+                try:
+                    return kind(message)
+                except Exception:
+                    return ReplayedError(name, message)
+    return ReplayedError(name, message)
+
+
+def _listed(
+    kinds: tuple[type[BaseException], ...], error: BaseException
+) -> type[BaseException] | None:
+    """The first of ``kinds`` that ``error`` is an instance of."""
+    return next((kind for kind in kinds if isinstance(error, kind)), None)
 
 
 def _describe(error: BaseException) -> str:
@@ -498,7 +508,7 @@ def _own(
                     _F,
                     also_from=finish_from,
                     owner=plan.owner,
-                    error=encode_error(error),
+                    error=encode_error(error, _listed(plan.policy.definite, error)),
                     ttl=plan.policy.ttl,
                 )
             )
