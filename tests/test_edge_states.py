@@ -307,3 +307,31 @@ def test_a_listed_failure_of_a_subclass_replays_as_the_listed_type() -> None:
             charge(4900)  # the caller's `except PaymentError` holds for the replay too
     assert type(replayed.value) is PaymentError
     assert runs == [4900]
+
+
+class RecordingFails(MemoryStore):
+    """A store that fails every write once the work has started: the outcome cannot be kept."""
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        raise twiceshy.StoreUnavailable("the ledger went away")
+
+
+def test_a_ledger_failing_after_the_work_ran_says_the_work_ran() -> None:
+    """Not "the ledger is unreachable" (which reads as "nothing happened, try again"): the tool
+    ran and may have taken effect, in words for the model."""
+    ledger = twiceshy.Ledger(store=RecordingFails(), counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def send_fax(number: str) -> str:
+        runs.append(1)
+        return "sent"
+
+    with twiceshy.run("run-1"), pytest.raises(twiceshy.OutcomeNotRecorded) as failed:
+        send_fax("+15550100")
+    assert runs == [1]
+    assert isinstance(failed.value, twiceshy.StoreError)
+    assert not isinstance(failed.value, ConnectionError)
+    assert isinstance(failed.value.__cause__, twiceshy.StoreUnavailable)
+    assert "ran" in str(failed.value)
+    assert "try again" not in str(failed.value).lower()

@@ -160,7 +160,7 @@ def test_the_interruption_goes_on_when_the_doubt_cannot_be_recorded() -> None:
     with twiceshy.run("run-1"):
         with pytest.raises(KeyboardInterrupt) as interrupted:
             send_mail("ada@example.com")
-        assert isinstance(interrupted.value.__cause__, twiceshy.StoreUnavailable)
+        assert isinstance(interrupted.value.__cause__, twiceshy.OutcomeNotRecorded)
 
         async def main() -> None:
             task = asyncio.create_task(post("hello"))
@@ -168,7 +168,7 @@ def test_the_interruption_goes_on_when_the_doubt_cannot_be_recorded() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError) as cancelled:
                 await task
-            assert isinstance(cancelled.value.__cause__, twiceshy.StoreUnavailable)
+            assert isinstance(cancelled.value.__cause__, twiceshy.OutcomeNotRecorded)
 
         asyncio.run(main())
 

@@ -61,6 +61,7 @@ from .errors import (
     KeyReuseMismatch,
     MissingScope,
     NotApplied,
+    OutcomeNotRecorded,
     OutcomeUnknown,
     StoreError,
     UnkeyableArgument,
@@ -445,8 +446,11 @@ class Guard:
         try:
             value = self._drive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(exc))
-            _interruption_goes_on(seen, exc)
+            error = _unrecorded(plan, seen, exc)
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
+            _interruption_goes_on(seen, error)
+            if error is not exc:
+                raise error from exc
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
@@ -501,6 +505,7 @@ class Guard:
                 return Ran(value=work(""))
             except Exception as exc:
                 return Ran(error=exc)
+        seen.ran = True
         job, token = self._enter(plan, command)
         try:
             value = work(plan.key)
@@ -559,8 +564,11 @@ class Guard:
         try:
             value = await self._adrive(protect(plan), work, plan, bound, seen)
         except BaseException as exc:
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(exc))
-            _interruption_goes_on(seen, exc)
+            error = _unrecorded(plan, seen, exc)
+            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
+            _interruption_goes_on(seen, error)
+            if error is not exc:
+                raise error from exc
             raise
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
@@ -694,6 +702,13 @@ def _is_async(fn: Callable[..., Any]) -> bool:
         return True
     call = getattr(fn, "__call__", None)  # noqa: B004 - the method itself, not callable()
     return not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
+
+
+def _unrecorded(plan: CallPlan, seen: _Seen, error: BaseException) -> BaseException:
+    """A store error after the work started says so: the tool ran, and may have taken effect."""
+    if seen.ran and isinstance(error, StoreError) and not isinstance(error, OutcomeNotRecorded):
+        return OutcomeNotRecorded(plan.policy.tool, plan.key, str(error))
+    return error
 
 
 def _interruption_goes_on(seen: _Seen, error: BaseException) -> None:

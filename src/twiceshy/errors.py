@@ -16,7 +16,8 @@
     ├── InProgress                          an identical call is still running
     ├── FencedOut                           a newer attempt owns the key
     └── StoreError                          the ledger misbehaved
-        └── StoreUnavailable (ConnectionError)  the ledger cannot be reached
+        ├── StoreUnavailable (ConnectionError)  the ledger cannot be reached
+        └── OutcomeNotRecorded              the tool ran; the ledger failed to record how it ended
 
 ``OutcomeUnknown`` and ``InProgress`` carry a message written for the model that called the tool:
 what happened, that the call will not be run again by itself, and what to tell the user.
@@ -30,6 +31,7 @@ __all__ = [
     "KeyReuseMismatch",
     "MissingScope",
     "NotApplied",
+    "OutcomeNotRecorded",
     "OutcomeUnknown",
     "ReplayedError",
     "ResultNotStorable",
@@ -149,3 +151,26 @@ class StoreError(TwiceshyError):
 
 class StoreUnavailable(StoreError, ConnectionError):
     """The ledger's store cannot be reached."""
+
+
+class OutcomeNotRecorded(StoreError):
+    """The tool ran, and then the ledger failed (its outcome, or its next attempt, could not be
+    written): the work may have taken effect. The store's own error is the ``__cause__``.
+
+    The record is left claimed: once its lease lapses, a KEYED tool is run again with the same
+    key, an UNSAFE one is answered :class:`OutcomeUnknown`. ``str()`` is written for the model.
+
+    Attributes:
+        key: the intent's idempotency key.
+        tool: the tool's name.
+    """
+
+    def __init__(self, tool: str, key: str, cause: str = "") -> None:
+        self.tool = tool
+        self.key = key
+        detail = f" ({cause})" if cause else ""
+        super().__init__(
+            f"The tool {tool!r} ran, but the ledger could not record its outcome{detail}: it may "
+            "have taken effect. Do not call it again; tell the user that the action may have "
+            f"happened and needs to be checked (reference {key[:16]})."
+        )
