@@ -52,6 +52,13 @@ Connections:
     :class:`~twiceshy.StoreUnavailable`. A store used after :func:`os.fork` opens new
     connections in the child and never touches its parent's.
 
+    A server that stops answering mid-statement (a network partition) is given up after about
+    30 s: every connection sets libpq's ``keepalives*`` and ``tcp_user_timeout`` parameters,
+    unless the URL sets them itself. These act at the TCP level only: a proxy or pooler in
+    between that hangs while its own TCP stack still answers is not detected by them. The URL's
+    own libpq parameters (``connect_timeout``, ``application_name`` included) always win over
+    the store's keyword arguments.
+
 The table (``twiceshy.records`` by default, with ``records_meta`` beside it) is created on first
 use, serialized between processes by an advisory lock; its schema version is checked on open.
 """
@@ -68,7 +75,16 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 from urllib.parse import unquote
@@ -129,9 +145,12 @@ _EXISTS: Final = (
 )
 
 # One transaction, serialized between processes by the advisory lock: concurrent
-# CREATE ... IF NOT EXISTS can otherwise fail on the catalogs' unique indexes.
+# CREATE ... IF NOT EXISTS can otherwise fail on the catalogs' unique indexes. READ COMMITTED
+# whatever the server's, role's or URL's default: a stricter level takes its snapshot before
+# the lock is granted, and the loser of a race then fails on the winner's rows (a serialization
+# failure) instead of seeing them.
 _CREATE: Final = f"""
-BEGIN;
+BEGIN ISOLATION LEVEL READ COMMITTED;
 SELECT pg_advisory_xact_lock({_SCHEMA_LOCK});
 CREATE SCHEMA IF NOT EXISTS {{schema}};
 CREATE TABLE IF NOT EXISTS {{meta}} (
@@ -174,9 +193,10 @@ COMMIT;
 _SELECT_VERSION: Final = "SELECT value FROM {meta} WHERE name = 'schema_version'"
 
 # Version 1 to 2: the listing index no longer leads with the namespace (see SCHEMA_VERSION), and
-# the call counts table (created by _CREATE's IF NOT EXISTS before this runs).
+# the call counts table (created by _CREATE's IF NOT EXISTS before this runs). READ COMMITTED
+# as _CREATE is.
 _MIGRATE_1_2: Final = f"""
-BEGIN;
+BEGIN ISOLATION LEVEL READ COMMITTED;
 SELECT pg_advisory_xact_lock({_SCHEMA_LOCK});
 DROP INDEX IF EXISTS {{old_by_created}};
 CREATE INDEX IF NOT EXISTS {{by_time}} ON {{t}} (created_at);
@@ -329,6 +349,19 @@ _MAX_TABLE_NAME: Final = 48  # leaves room for the index and meta names within 6
 
 _EFFECTS: Final = {e.value: e for e in Effect}
 _STATES: Final = {s.value: s for s in State}
+
+# libpq's TCP settings for every connection whose URL does not set its own. Without them a
+# server that silently stops answering (a network partition, a host gone) blocks a claim, a
+# write or the listener forever. With them a statement whose bytes go unacknowledged fails
+# after tcp_user_timeout (ms), and a connection waiting for an answer over a silent network
+# after keepalives_idle + keepalives_count * keepalives_interval seconds: about 30 s either way.
+_TCP_DEFAULTS: Final[Mapping[str, int]] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 4,
+    "tcp_user_timeout": 30_000,
+}
 
 _URL_OPTIONS: Final = {
     "schema": str,
@@ -543,6 +576,8 @@ def _retrying(make: Callable[[], _Step]) -> Generator[_Step, _Rows, _Rows]:
 
 
 def _schema_op(st: _Statements) -> _Op[None]:
+    # The probe connection is configured as the pooled ones are.
+    yield _Step(st.configure, rows=False)
     names = st.names
     rows = yield _Step(
         st.exists, {"meta": names["meta"], "t": names["t"], "counts": names["counts"]}
@@ -619,11 +654,14 @@ def _write_op(
         at, applied, record = _answer(rows)
         if applied:
             return Snapshot(record, at, True)
+        if lost and record is not None and _shows(record, change):
+            # Our write committed before the connection broke. It is ours even if its record
+            # has expired since (a retention near 0): answered as gone, the caller would claim
+            # afresh and run the work a second time.
+            return Snapshot(record, at, True)
         live = record if record is not None and is_live(record, at) else None
         if live is None:
             return Snapshot(None, at, False)
-        if lost and _shows(live, change):
-            return Snapshot(live, at, True)
         if guard_holds(live, change, at) and not looked_again:
             # The snapshot shows a version the UPDATE did not meet: it waited for a concurrent
             # writer and found the record changed. Look again with a fresh snapshot.
@@ -773,14 +811,17 @@ class _Settings:
         where = "{}:{}/{}".format(
             parts.get("host", "localhost"), parts.get("port", 5432), parts.get("dbname", "")
         )
+        defaults = {
+            # libpq's own rule: whole seconds, at least 2.
+            "connect_timeout": max(2, math.ceil(connect_timeout)),
+            "application_name": application_name,
+            **_TCP_DEFAULTS,
+        }
         return cls(
             conninfo=url,
-            kwargs={
-                "autocommit": True,
-                # libpq's own rule: whole seconds, at least 2.
-                "connect_timeout": max(2, math.ceil(connect_timeout)),
-                "application_name": application_name,
-            },
+            # psycopg's keyword arguments replace the URL's parameters: a value the URL sets
+            # itself is left to it.
+            kwargs={"autocommit": True, **{k: v for k, v in defaults.items() if k not in parts}},
             schema=schema,
             table=table,
             min_size=min_size,
@@ -972,8 +1013,9 @@ class PostgresStore:
         min_size: connections the pool keeps open.
         max_size: the most connections the pool opens.
         connect_timeout: seconds to wait for a connection (libpq rounds the connect itself up to
-            whole seconds, at least 2).
-        application_name: the ``application_name`` of every connection of this store.
+            whole seconds, at least 2; a ``connect_timeout`` in ``url`` sets libpq's instead).
+        application_name: the ``application_name`` of every connection of this store, unless
+            ``url`` names its own.
         wait_recheck: how often a waiter reads the record again even without a notification.
 
     Raises:
@@ -1240,13 +1282,24 @@ async def _execute_async(conn: psycopg.AsyncConnection[TupleRow], step: _Step) -
 class _LoopState:
     """An async store's pool, listener task and waiters in one event loop."""
 
-    def __init__(self, pool: AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]) -> None:
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]],
+        conns: weakref.WeakSet[psycopg.AsyncConnection[TupleRow]],
+    ) -> None:
         self.pool = pool
+        #: Every connection the pool has opened and not yet dropped, so that they can be closed
+        #: even when the pool can no longer close them itself (see release).
+        self.conns = conns
         self.opened = False
         self.lock = asyncio.Lock()
         self.waiters: dict[str, set[asyncio.Event]] = {}
         self.ready = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        #: Why opening failed: the calls that waited for that open fail alike.
+        self.failure: StoreError | None = None
+        #: Closes this state when its loop shuts down (see _close_with_loop).
+        self.guard: AsyncGenerator[None, None] | None = None
 
     def watch(self, payload: str) -> asyncio.Event:
         event = asyncio.Event()
@@ -1270,20 +1323,54 @@ class _LoopState:
                 event.set()
 
     async def aclose(self) -> None:
+        """Release this state now, ending its guard (idempotent)."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            await guard.aclose()
+        await self.release()
+
+    async def release(self) -> None:
+        """Stop the listener task, close the pool and its connections (idempotent)."""
         task, self.task = self.task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.wake_all()
-        await self.pool.close()
+        try:
+            await self.pool.close()
+        except asyncio.CancelledError:
+            # When a loop shuts down, asyncio.run has cancelled every task, the pool's workers
+            # included, before it ends async generators (_close_with_loop): close() then fails
+            # waiting for those workers, before it closes a single connection.
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+        finally:
+            for conn in list(self.conns):
+                await conn.close()
+
+
+async def _close_with_loop(state: _LoopState) -> AsyncGenerator[None, None]:
+    """An async generator whose end closes ``state``.
+
+    Event loops close the async generators started on them when they shut down
+    (``asyncio.run`` does), so a pool left open by its user is closed on its own loop, where its
+    connections live. Dropped with its loop instead, its connections would stay open on the
+    server until collected: one more with every ``asyncio.run``.
+    """
+    try:
+        yield
+    finally:
+        await state.release()
 
 
 class AsyncPostgresStore:
     """A :class:`~twiceshy.stores.AsyncStore` in a PostgreSQL table; see :class:`PostgresStore`.
 
     Takes the same arguments. Nothing connects in the constructor: each event loop gets its own
-    pool and listener task on first use (psycopg's async pool lives in one loop). The server is
+    pool and listener task on first use (psycopg's async pool lives in one loop), closed when
+    that loop shuts down (``asyncio.run`` does this) or by :meth:`close`. The server is
     first reached, and the table created, on the first call; an unreachable server then raises
     :class:`~twiceshy.StoreUnavailable`.
     """
@@ -1333,41 +1420,66 @@ class AsyncPostgresStore:
             ) from exc
 
     async def _state(self) -> _LoopState:
-        if self._closed:
-            raise StoreError("PostgreSQL ledger is closed")
         loop = asyncio.get_running_loop()
-        state = self._states.get(loop)
-        if state is None:
-            for gone in [other for other in self._states if other.is_closed()]:
-                # asyncio.run() cancelled that loop's pool workers and listener; once
-                # unreferenced, its pooled connections close as they are collected.
-                del self._states[gone]
-            state = self._states[loop] = _LoopState(self._new_pool())
-        if not state.opened:
+        for _ in range(_ROUNDS):
+            if self._closed:
+                raise StoreError("PostgreSQL ledger is closed")
+            state = self._states.get(loop)
+            if state is None:
+                for gone in [other for other in self._states if other.is_closed()]:
+                    # Closed when its loop shut down (see _close_with_loop).
+                    del self._states[gone]
+                conns: weakref.WeakSet[psycopg.AsyncConnection[TupleRow]] = weakref.WeakSet()
+                state = self._states[loop] = _LoopState(self._new_pool(conns), conns)
+                guard = _close_with_loop(state)
+                await anext(guard)  # runs to its yield without suspending
+                state.guard = guard
+            if state.opened:
+                return state
             async with state.lock:
+                if state.failure is not None:
+                    # The open this call waited for failed: its pool is closed. Fail alike
+                    # (a fresh error: one exception object is not raised in many tasks).
+                    failure = state.failure
+                    raise type(failure)(str(failure)) from failure
+                if self._states.get(loop) is not state:
+                    continue  # replaced meanwhile: start afresh
                 if not state.opened:
-                    if not self._schema_ready:
-                        conn = await self._connect()
-                        async with conn:
-                            await _run_async(
-                                _schema_op(self._st),
-                                lambda step: _execute_async(conn, step),
-                                _no_aheal,
-                            )
-                        self._schema_ready = True
                     try:
-                        await state.pool.open(wait=True, timeout=self._settings.connect_timeout)
-                    except PoolTimeout as exc:
-                        # psycopg closed that pool; the next call in this loop starts afresh.
-                        del self._states[loop]
-                        raise _store_error(exc) from exc
+                        await self._open(state)
+                    except Exception as exc:
+                        mapped = exc if isinstance(exc, StoreError) else _store_error(exc)
+                        state.failure = mapped
+                        # The next call in this loop starts afresh.
+                        if self._states.get(loop) is state:
+                            del self._states[loop]
+                        await state.aclose()
+                        if mapped is exc:
+                            raise
+                        raise mapped from exc
                     state.opened = True
-        return state
+            return state
+        raise StoreError("PostgreSQL ledger could not open its pool")
 
-    def _new_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]:
+    async def _open(self, state: _LoopState) -> None:
+        """Check the table (once per store) and open this loop's pool."""
+        if not self._schema_ready:
+            conn = await self._connect()
+            async with conn:
+                await _run_async(
+                    _schema_op(self._st), lambda step: _execute_async(conn, step), _no_aheal
+                )
+            self._schema_ready = True
+        # On a timeout psycopg closes the pool.
+        await state.pool.open(wait=True, timeout=self._settings.connect_timeout)
+
+    def _new_pool(
+        self, conns: weakref.WeakSet[psycopg.AsyncConnection[TupleRow]]
+    ) -> AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]:
         configure = self._st.configure
 
         async def setup(conn: psycopg.AsyncConnection[TupleRow]) -> None:
+            conns.add(conn)
             await conn.execute(configure)
 
         s = self._settings
