@@ -8,7 +8,7 @@ import enum
 import uuid
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NamedTuple, Optional
 
 import pydantic
 import pytest
@@ -21,6 +21,19 @@ class Color(enum.Enum):
     """An enum result."""
 
     RED = "red"
+
+
+class Size(enum.StrEnum):
+    """An enum that JSON can keep as a mapping's key."""
+
+    SMALL = "s"
+
+
+class Pair(NamedTuple):
+    """A named tuple result (JSON keeps it as a list)."""
+
+    n: int
+    price: Decimal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +96,12 @@ LINE = Line("a", Decimal("1.10"), dt.date(2026, 1, 2), Later(UID))
         (list[Line], [LINE, Line("b", Decimal("2"), dt.date(2026, 1, 3))]),
         (Model, Model(id="m", total=Decimal("9.99"))),
         (dict[str, Model], {"x": Model(id="m", total=Decimal("1"))}),
+        (dt.time, dt.time(12, 30)),
+        (dict[int, str], {1: "a", 2: "b"}),
+        (dict[int, Decimal], {3: Decimal("1.5")}),
+        (dict[Size, int], {Size.SMALL: 1}),
+        (Pair, Pair(1, Decimal("2.5"))),
+        (list[Pair], [Pair(1, Decimal("2.5"))]),
     ],
 )
 def test_replay_rebuilds_an_equal_value_of_the_annotated_type(annotation: Any, value: Any) -> None:

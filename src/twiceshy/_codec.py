@@ -148,10 +148,15 @@ def _rebuilder(hint: Any) -> Rebuild | None:
         inner = _rebuilder(args[0]) if args else None
         return None if inner is None else _listed(inner)
     if origin in (dict, typing.Mapping, collections.abc.Mapping):
+        key = _key_rebuilder(args[0]) if len(args) == 2 else None
         inner = _rebuilder(args[1]) if len(args) == 2 else None
+        if key is not None:
+            return _keyed(key, inner or _same)
         return None if inner is None else _valued(inner)
     if not isinstance(hint, type):
         return None
+    if issubclass(hint, tuple) and hasattr(hint, "_fields"):  # a NamedTuple: JSON keeps a list
+        return _named_tuple_rebuilder(hint)
     validate = getattr(hint, "model_validate", None)
     if callable(validate) and hasattr(hint, "model_fields"):
         return validate  # type: ignore[no-any-return]
@@ -170,10 +175,58 @@ def _rebuilder(hint: Any) -> Rebuild | None:
 _FROM_TEXT: dict[type, Rebuild] = {
     dt.datetime: dt.datetime.fromisoformat,
     dt.date: dt.date.fromisoformat,
+    dt.time: dt.time.fromisoformat,
     Decimal: Decimal,
     uuid.UUID: uuid.UUID,
     bytes: base64.b64decode,
 }
+
+
+def _key_rebuilder(hint: Any) -> Rebuild | None:
+    """How to rebuild a mapping's key, which JSON keeps as text; ``None`` for text keys.
+
+    Only keys JSON can store come back: ``int`` and enums whose members are ``str`` or ``int``
+    (other keys are refused when the result is stored).
+    """
+    if hint is int:
+        return int
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        by_text = {str(member.value): member for member in hint}
+        return lambda text: by_text.get(text, text)
+    return None
+
+
+def _keyed(key: Rebuild, inner: Rebuild) -> Rebuild:
+    def rebuild(data: Any) -> Any:
+        if type(data) is not dict:
+            return data
+        try:
+            return {key(k): inner(v) for k, v in data.items()}
+        except (TypeError, ValueError):
+            return data
+
+    return rebuild
+
+
+def _named_tuple_rebuilder(cls: type) -> Rebuild:
+    # As for dataclasses, the fields' annotations are read at first use.
+    parts: list[Rebuild] | None = None
+
+    def rebuild(data: Any) -> Any:
+        nonlocal parts
+        if type(data) is not list:
+            return data
+        if parts is None:
+            try:
+                hints = typing.get_type_hints(cls, include_extras=True)
+            except Exception:
+                hints = {}
+            parts = [_rebuilder(hints.get(name, Any)) or _same for name in cls._fields]  # type: ignore[attr-defined]
+        if len(data) != len(parts):
+            return data
+        return cls(*(part(v) for part, v in zip(parts, data, strict=True)))
+
+    return rebuild
 
 
 def _optional(inner: Rebuild) -> Rebuild:
