@@ -4,6 +4,7 @@ and tools that are not what they seem."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
@@ -335,3 +336,28 @@ def test_a_ledger_failing_after_the_work_ran_says_the_work_ran() -> None:
     assert isinstance(failed.value.__cause__, twiceshy.StoreUnavailable)
     assert "ran" in str(failed.value)
     assert "try again" not in str(failed.value).lower()
+
+
+# Decorated when this module is imported, before the class it returns is defined.
+LATE = twiceshy.Ledger("memory://", counts_interval=None)
+
+
+@LATE.tool(effect=twiceshy.KEYED)
+def issue_receipt(amount: int) -> LateReceipt:
+    return LateReceipt("rc_1", amount)
+
+
+@dataclasses.dataclass(frozen=True)
+class LateReceipt:
+    """Defined after the tool that returns it."""
+
+    id: str
+    amount: int
+
+
+def test_a_return_type_defined_after_the_tool_is_rebuilt_on_replay() -> None:
+    with twiceshy.run("run-1"):
+        first = issue_receipt(5)
+        again = issue_receipt(5)
+    assert again == first
+    assert type(again) is LateReceipt

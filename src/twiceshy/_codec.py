@@ -24,7 +24,14 @@ from typing import Any, Final
 
 from .errors import ResultNotStorable
 
-__all__ = ["MAX_RESULT_BYTES", "ResultCodec", "decode_error", "encode_error", "type_name"]
+__all__ = [
+    "MAX_RESULT_BYTES",
+    "ResultCodec",
+    "ReturnOf",
+    "decode_error",
+    "encode_error",
+    "type_name",
+]
 
 MAX_RESULT_BYTES = 1_048_576
 """The default bound on a stored result's JSON text, in UTF-8 bytes."""
@@ -81,7 +88,9 @@ class ResultCodec:
     __slots__ = ("_max_bytes", "_rebuild")
 
     def __init__(self, annotation: Any = None, *, max_bytes: int = MAX_RESULT_BYTES) -> None:
-        self._rebuild = _rebuilder(annotation)
+        self._rebuild = (
+            _deferred(annotation) if isinstance(annotation, ReturnOf) else _rebuilder(annotation)
+        )
         self._max_bytes = max_bytes
 
     def encode(self, value: object) -> str:
@@ -117,6 +126,17 @@ class ResultCodec:
             return self._rebuild(data)
         except (TypeError, ValueError, KeyError):
             return data
+
+
+class ReturnOf:
+    """The return annotation of ``fn``, read when first needed: it may name a type defined
+    after the tool (under ``from __future__ import annotations``, or imported for type checking
+    only), which cannot be resolved when the tool is decorated."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
 
 
 Rebuild = Callable[[Any], Any]
@@ -227,6 +247,25 @@ def _named_tuple_rebuilder(cls: type) -> Rebuild:
         return cls(*(part(v) for part, v in zip(parts, data, strict=True)))
 
     return rebuild
+
+
+def _deferred(hint: ReturnOf) -> Rebuild:
+    rebuild: Rebuild | None = None
+    resolved = False
+
+    def first(data: Any) -> Any:
+        nonlocal rebuild, resolved
+        if not resolved:
+            try:
+                rebuild = _rebuilder(
+                    typing.get_type_hints(hint.fn, include_extras=True).get("return")
+                )
+            except Exception:
+                rebuild = None  # still not resolvable: replay the data as stored
+            resolved = True
+        return data if rebuild is None else rebuild(data)
+
+    return first
 
 
 def _optional(inner: Rebuild) -> Rebuild:

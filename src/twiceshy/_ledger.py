@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, BoundCall
-from ._codec import MAX_RESULT_BYTES, ResultCodec
+from ._codec import MAX_RESULT_BYTES, ResultCodec, ReturnOf
 from ._inflight import Flight, Flights, Heartbeat, Renewal
 from ._memo import Remembered
 from ._protocol import (
@@ -1029,9 +1029,9 @@ class Ledger:
             if reconcile is not None and not is_async and inspect.iscoroutinefunction(reconcile):
                 raise TypeError("a sync tool needs a sync reconcile= function")
             try:
-                hints = inspect.get_annotations(fn, eval_str=True)
-            except Exception:
-                hints = {}
+                returns = inspect.get_annotations(fn, eval_str=True).get("return")
+            except Exception:  # it names what is not defined yet: read it at the first replay
+                returns = ReturnOf(fn)
             binder = Binder(
                 fn, key_param=key_param, inject=inject, key_args=key_args, ignore_args=ignore_args
             )
@@ -1050,7 +1050,7 @@ class Ledger:
                 reconcile=reconcile,
                 record=record,
                 scope=scope,
-                returns=hints.get("return"),
+                returns=returns,
                 max_result_bytes=max_result_bytes,
             )
             if is_async:
