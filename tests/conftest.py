@@ -111,3 +111,16 @@ def store(request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path) -> I
     opened, cleanup = STORE_FACTORIES[request.param](clock, tmp_path)
     yield opened
     cleanup()
+
+
+@pytest.fixture
+def pg() -> Iterator[tuple[str, str]]:
+    """The PostgreSQL server's URL and a fresh schema name; the schema is dropped afterwards."""
+    url = servers.require("postgres")
+    import psycopg
+    from psycopg import sql
+
+    schema = f"twiceshy_test_{secrets.token_hex(6)}"
+    yield url, schema
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))

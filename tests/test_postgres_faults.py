@@ -14,14 +14,11 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
-import servers
 from twiceshy import Change, Effect, State
 from twiceshy.errors import StoreError, StoreUnavailable
 from twiceshy.stores.postgres import (
@@ -39,16 +36,6 @@ KEY = "key-1"
 CLAIMED = frozenset({State.CLAIMED})
 # Short libpq TCP settings: a connection whose bytes go unacknowledged fails after 1 s.
 FAST_TCP = "tcp_user_timeout=1000&keepalives_idle=1&keepalives_interval=1&keepalives_count=1"
-
-
-@pytest.fixture
-def pg() -> Iterator[tuple[str, str]]:
-    """The server's URL and a fresh schema name; the schema is dropped afterwards."""
-    url = servers.require("postgres")
-    schema = f"twiceshy_test_{secrets.token_hex(6)}"
-    yield url, schema
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 class StallProxy:

@@ -16,7 +16,6 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import servers
 import twiceshy
 from twiceshy import Change, Effect, State
 from twiceshy.errors import StoreError, StoreUnavailable
@@ -45,16 +43,6 @@ NS = "tenant"
 KEY = "key-1"
 CLAIMED = frozenset({State.CLAIMED})
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/test"
-
-
-@pytest.fixture
-def pg() -> Iterator[tuple[str, str]]:
-    """The server's URL and a fresh schema name; the schema is dropped afterwards."""
-    url = servers.require("postgres")
-    schema = f"twiceshy_test_{secrets.token_hex(6)}"
-    yield url, schema
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def ledger_url(url: str, schema: str, **params: str) -> str:

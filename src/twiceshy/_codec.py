@@ -228,6 +228,14 @@ def _keyed(key: Rebuild, inner: Rebuild) -> Rebuild:
     return rebuild
 
 
+def _field_hints(cls: type) -> dict[str, Any]:
+    """A class's field annotations, resolved; none where they cannot be (replayed as stored)."""
+    try:
+        return typing.get_type_hints(cls, include_extras=True)
+    except Exception:
+        return {}
+
+
 def _named_tuple_rebuilder(cls: type) -> Rebuild:
     # As for dataclasses, the fields' annotations are read at first use.
     parts: list[Rebuild] | None = None
@@ -237,10 +245,7 @@ def _named_tuple_rebuilder(cls: type) -> Rebuild:
         if type(data) is not list:
             return data
         if parts is None:
-            try:
-                hints = typing.get_type_hints(cls, include_extras=True)
-            except Exception:
-                hints = {}
+            hints = _field_hints(cls)
             parts = [_rebuilder(hints.get(name, Any)) or _same for name in cls._fields]  # type: ignore[attr-defined]
         if len(data) != len(parts):
             return data
@@ -317,10 +322,7 @@ def _dataclass_rebuilder(cls: type) -> Rebuild:
         if type(data) is not dict:
             return data
         if fields is None:
-            try:
-                hints = typing.get_type_hints(cls, include_extras=True)
-            except Exception:
-                hints = {}
+            hints = _field_hints(cls)
             fields = [
                 (f.name, _rebuilder(hints.get(f.name, Any)))
                 for f in dataclasses.fields(cls)

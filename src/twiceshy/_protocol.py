@@ -423,6 +423,13 @@ def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snaps
     return sent, snap
 
 
+def _doubt(plan: CallPlan, record: Record, reason: str, error: BaseException) -> Change:
+    """The owner's write of an unknown outcome: the work was cut off, and may have taken effect."""
+    return _change(
+        Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=encode_error(error)
+    )
+
+
 def _own(
     plan: CallPlan, record: Record, trusted_until: float
 ) -> Generator[Command, Any, tuple[bool, Any, Snapshot]]:
@@ -460,16 +467,8 @@ def _own(
             # effect, and nothing renews the lease any more. Say so in the record, so the next
             # call is answered at once (KEYED: run again with the key; UNSAFE: OutcomeUnknown)
             # rather than after the lease; then the interruption goes on, whatever the write.
-            reason = f"interrupted by {_describe(error)} before it finished"
             yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _U,
-                    owner=plan.owner,
-                    reason=reason,
-                    error=encode_error(error),
-                )
+                _doubt(plan, record, f"interrupted by {_describe(error)} before it finished", error)
             )
             raise error
         if error is None:
@@ -535,16 +534,7 @@ def _own(
             if interrupted is not None:
                 # Interrupted between attempts: the last one may have taken effect.
                 reason = f"interrupted by {_describe(interrupted)} after {_describe(error)}"
-                yield Write(
-                    _change(
-                        Actor.OWNER,
-                        record,
-                        _U,
-                        owner=plan.owner,
-                        reason=reason,
-                        error=encode_error(error),
-                    )
-                )
+                yield Write(_doubt(plan, record, reason, error))
                 raise interrupted
             # Count the attempt in the record and renew the lease before running again: the
             # write also proves this caller still owns the fence.
@@ -597,9 +587,8 @@ def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> 
     if record.owner != plan.owner:
         return None
     if ran:
-        reason = f"interrupted by {_describe(why)} before its outcome was recorded"
-        return _change(
-            Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=encode_error(why)
+        return _doubt(
+            plan, record, f"interrupted by {_describe(why)} before its outcome was recorded", why
         )
     return _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
 
