@@ -361,3 +361,26 @@ def test_a_return_type_defined_after_the_tool_is_rebuilt_on_replay() -> None:
         again = issue_receipt(5)
     assert again == first
     assert type(again) is LateReceipt
+
+
+def test_a_blocking_duplicate_on_the_leaders_event_loop_does_not_stop_it() -> None:
+    """A blocking call made from async code, joining an async call of the same intent on that
+    loop, would stop the loop the leader needs: it is answered InProgress at once."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    guard = ledger.guard("lookup", effect=twiceshy.KEYED, wait=3)
+
+    async def work() -> str:
+        await asyncio.sleep(0.05)
+        return "done"
+
+    async def main() -> str:
+        with twiceshy.run("run-1"):
+            leader = asyncio.create_task(guard.acall({"q": 1}, work))
+            await asyncio.sleep(0.01)
+            started = time.monotonic()
+            with pytest.raises(twiceshy.InProgress):
+                guard.call({"q": 1}, lambda: "blocking")
+            assert time.monotonic() - started < 1
+            return await leader
+
+    assert asyncio.run(main()) == "done"

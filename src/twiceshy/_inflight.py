@@ -27,10 +27,21 @@ log = logging.getLogger("twiceshy")
 class Flight:
     """One execution of an intent in this process, which duplicates join (threads and tasks)."""
 
-    __slots__ = ("_done", "_error", "_landed", "_lock", "_value", "_waiters", "fingerprint")
+    __slots__ = (
+        "_done",
+        "_error",
+        "_landed",
+        "_lock",
+        "_loop",
+        "_value",
+        "_waiters",
+        "fingerprint",
+    )
 
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint
+        # The event loop running where the flight began, if any: the leader may need it.
+        self._loop = asyncio._get_running_loop()
         # Held until the flight lands: a blocking waiter acquires it (and passes it on at once).
         # A bare lock is much cheaper to make than an Event, and most flights have no waiter.
         self._done = threading.Lock()
@@ -54,9 +65,15 @@ class Flight:
                 loop.call_soon_threadsafe(_resolve, future)
 
     def wait(self, timeout: float) -> bool:
-        """Block until the flight lands; ``False`` on timeout."""
+        """Block until the flight lands; ``False`` on timeout.
+
+        A blocking wait on the thread of the event loop the flight began on would stop that
+        loop, and with it the leader: it answers ``False`` at once instead.
+        """
         if self._landed:
             return True
+        if self._loop is not None and self._loop is asyncio._get_running_loop():
+            return False
         if not self._done.acquire(timeout=max(timeout, 0.0)):
             return False
         self._done.release()
