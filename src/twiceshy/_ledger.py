@@ -399,6 +399,27 @@ class Guard:
             seen.outcome = Outcome.EXECUTED  # a call of its own from now on
             return False, None
 
+    def _recalled(self, plan: CallPlan) -> Snapshot | None:
+        """The settled record of the plan's key this process kept, if any (``remember=``)."""
+        memo = self._ledger._memo
+        return memo.recall(plan) if memo is not None else None
+
+    def _failed(
+        self, plan: CallPlan, seen: _Seen, flight: Flight, error: BaseException
+    ) -> BaseException:
+        """A led call ended in ``error``: land its flight; what its caller gets.
+
+        A store error after the work started says the work ran (:class:`OutcomeNotRecorded`);
+        an interruption of the work goes on whatever followed it.
+        """
+        if seen.ran and isinstance(error, StoreError) and not isinstance(error, OutcomeNotRecorded):
+            error = OutcomeNotRecorded(plan.policy.tool, plan.key, str(error))
+        self._ledger._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
+        interrupted = seen.interrupted
+        if interrupted is not None and error is not interrupted:
+            raise interrupted from error
+        return error
+
     def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Token[Current | None]]:
         """Start renewing the lease and make the call current, before the work runs."""
         job = self._ledger._heartbeat.start(
@@ -444,11 +465,9 @@ class Guard:
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
-            value = self._drive(protect(plan), work, plan, bound, seen)
+            value = self._drive(protect(plan, self._recalled(plan)), work, plan, bound, seen)
         except BaseException as exc:
-            error = _unrecorded(plan, seen, exc)
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
-            _interruption_goes_on(seen, error)
+            error = self._failed(plan, seen, flight, exc)
             if error is not exc:
                 raise error from exc
             raise
@@ -458,7 +477,7 @@ class Guard:
     def _drive(
         self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
-        store = self._ledger.store
+        store, memo = self._ledger.store, self._ledger._memo
         answer: Any = None
         while True:
             try:
@@ -468,12 +487,9 @@ class Guard:
             kind = type(command)
             if kind is Claim or kind is Write or kind is Wait:
                 assert plan is not None  # an unrecorded call only runs and sleeps
-                memo = self._ledger._memo
-                if memo is None:
-                    answer = _store_op(store, command, plan)
-                elif kind is not Claim or (answer := memo.recall(plan)) is None:
-                    sent = time.monotonic()
-                    answer = _store_op(store, command, plan)
+                sent = time.monotonic()
+                answer = _store_op(store, command, plan)
+                if memo is not None:
                     memo.keep(plan, answer, sent)
             elif kind is Run:
                 answer = self._run(work, plan, cast("Run", command), seen)
@@ -562,11 +578,10 @@ class Guard:
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
-            value = await self._adrive(protect(plan), work, plan, bound, seen)
+            protocol = protect(plan, self._recalled(plan))
+            value = await self._adrive(protocol, work, plan, bound, seen)
         except BaseException as exc:
-            error = _unrecorded(plan, seen, exc)
-            flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
-            _interruption_goes_on(seen, error)
+            error = self._failed(plan, seen, flight, exc)
             if error is not exc:
                 raise error from exc
             raise
@@ -576,7 +591,7 @@ class Guard:
     async def _adrive(
         self, protocol: Protocol, work: _Work, plan: CallPlan | None, bound: BoundCall, seen: _Seen
     ) -> Any:
-        store = self._ledger.async_store
+        store, memo = self._ledger.async_store, self._ledger._memo
         answer: Any = None
         while True:
             try:
@@ -586,12 +601,9 @@ class Guard:
             kind = type(command)
             if kind is Claim or kind is Write or kind is Wait:
                 assert plan is not None  # an unrecorded call only runs and sleeps
-                memo = self._ledger._memo
-                if memo is None:
-                    answer = await self._astore_op(store, command, plan, seen)
-                elif kind is not Claim or (answer := memo.recall(plan)) is None:
-                    sent = time.monotonic()
-                    answer = await self._astore_op(store, command, plan, seen)
+                sent = time.monotonic()
+                answer = await self._astore_op(store, command, plan, seen)
+                if memo is not None:
                     memo.keep(plan, answer, sent)
             elif kind is Run:
                 answer = await self._arun(work, plan, cast("Run", command), seen)
@@ -702,20 +714,6 @@ def _is_async(fn: Callable[..., Any]) -> bool:
         return True
     call = getattr(fn, "__call__", None)  # noqa: B004 - the method itself, not callable()
     return not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
-
-
-def _unrecorded(plan: CallPlan, seen: _Seen, error: BaseException) -> BaseException:
-    """A store error after the work started says so: the tool ran, and may have taken effect."""
-    if seen.ran and isinstance(error, StoreError) and not isinstance(error, OutcomeNotRecorded):
-        return OutcomeNotRecorded(plan.policy.tool, plan.key, str(error))
-    return error
-
-
-def _interruption_goes_on(seen: _Seen, error: BaseException) -> None:
-    """Raise the work's interruption if recording it failed: a cancellation is never lost."""
-    interrupted = seen.interrupted
-    if interrupted is not None and error is not interrupted:
-        raise interrupted from error
 
 
 def _mismatch(plan: CallPlan) -> KeyReuseMismatch:

@@ -321,11 +321,18 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
     return None
 
 
-def protect(plan: CallPlan) -> Protocol:
-    """The protocol of one protected call; returns the result or raises the outcome's error."""
+def protect(plan: CallPlan, recalled: Snapshot | None = None) -> Protocol:
+    """The protocol of one protected call; returns the result or raises the outcome's error.
+
+    ``recalled``: a settled record of the key this process kept (``Ledger(remember=)``), which
+    answers in place of the first claim: such a record changes only by expiring.
+    """
     wait_until: float | None = None  # set when the call first finds the intent running
     # ``sent``: when the last command that could make this call the owner was sent.
-    sent, snap = yield from _timed(Claim())
+    if recalled is None:
+        sent, snap = yield from _timed(Claim())
+    else:
+        sent, snap = -math.inf, recalled  # never won: it makes nobody the owner
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
     rounds = 0  # rounds that are not waits: the waits are bounded by the call's wait=
