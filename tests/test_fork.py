@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import twiceshy
+from twiceshy.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.skipif(
     "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
@@ -163,3 +164,50 @@ def test_a_forked_child_that_only_flushes_sends_none_of_its_parents_counts(tmp_p
     ledger.close()
     with twiceshy.Ledger(url, counts_interval=None) as reader:
         assert reader.store.counts("") == {("charge", "executed"): 1}  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_can_use_a_memory_ledger_its_parent_was_using() -> None:
+    """Forked while a parent's thread holds the memory store's lock, the child's call finishes."""
+    assert FORK is not None
+    inside, gate = threading.Event(), threading.Event()
+    hold = threading.Event()
+
+    def clock() -> float:
+        # The store reads its clock with its lock held: the parent's thread stays in here.
+        if hold.is_set():
+            inside.set()
+            gate.wait(10)
+        return time.time()
+
+    ledger = twiceshy.Ledger(store=MemoryStore(clock=clock), counts_interval=None)
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> dict[str, int]:
+        return {"amount": amount}
+
+    def call(amount: int) -> Any:
+        with twiceshy.run("run-1"):
+            return charge(amount)
+
+    answers: Any = FORK.SimpleQueue()
+
+    def child() -> None:
+        answers.put(call(7))
+
+    hold.set()
+    busy = threading.Thread(target=call, args=(5,))
+    busy.start()
+    try:
+        assert inside.wait(10)
+        hold.clear()
+        forked = FORK.Process(target=child)
+        forked.start()
+        forked.join(20)
+        if forked.exitcode is None:
+            forked.kill()
+        assert forked.exitcode == 0, "the child hung on the lock its parent's thread held"
+        assert answers.get() == {"amount": 7}
+    finally:
+        gate.set()
+        busy.join(10)
+    ledger.close()

@@ -7,6 +7,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -401,6 +402,25 @@ def test_process_race_has_exactly_one_winner(tmp_path: Path, journal_mode: str |
             store.close()
 
 
+def _in_forked_child(target: Callable[..., None], *args: Any) -> tuple[Any, ...]:
+    """Run ``target(*args, results)`` in a forked child; what it put on ``results``."""
+    ctx = multiprocessing.get_context("fork")
+    results: Queue[tuple[Any, ...]] = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, results))
+    child.start()
+    try:
+        answer = results.get(timeout=20)
+        child.join(timeout=10)
+        assert child.exitcode == 0
+        return answer
+    finally:
+        if child.is_alive():
+            child.terminate()
+            child.join(timeout=5)
+        results.close()
+        results.join_thread()
+
+
 def _child_claims(store: SQLiteStore, results: Queue[tuple[Any, ...]]) -> None:
     try:
         snap = _claim(store, "child", key="from-child")
@@ -417,20 +437,7 @@ def test_forked_child_opens_its_own_connections(db: Path) -> None:
     store = SQLiteStore(db)
     try:
         assert _claim(store, "parent").won  # the pool now holds a parent connection
-        ctx = multiprocessing.get_context("fork")
-        results: Queue[tuple[Any, ...]] = ctx.Queue()
-        child = ctx.Process(target=_child_claims, args=(store, results))
-        child.start()
-        try:
-            assert results.get(timeout=20) == (True, True)
-            child.join(timeout=10)
-            assert child.exitcode == 0
-        finally:
-            if child.is_alive():
-                child.terminate()
-                child.join(timeout=5)
-            results.close()
-            results.join_thread()
+        assert _in_forked_child(_child_claims, store) == (True, True)
         snap = store.get(NS, "from-child")
         assert snap.record is not None
         assert snap.record.owner == "child"
@@ -451,3 +458,99 @@ def test_text_that_is_not_utf8_raises_store_error(db: Path) -> None:
         assert store.get(NS, KEY).record == record
     finally:
         store.close()
+
+
+# -- the file under the store ---------------------------------------------------------------
+
+
+def _remove_ledger_files(path: Path) -> None:
+    for suffix in ("", "-journal", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def test_a_deleted_ledger_file_is_not_claimed_in_by_a_store_that_had_it_open(
+    db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After ``rm``, an open store claims in the file a new process makes, not the unlinked one."""
+    old = SQLiteStore(db)
+    try:
+        assert _claim(old, "early", key="warm").won  # the pool holds a connection to the file
+        _remove_ledger_files(db)
+        new = SQLiteStore(db)  # a process started after the rm: a fresh ledger
+        try:
+            assert _claim(new, "new-process").won
+            snap = _claim(old, "old-process")
+            assert not snap.won  # without the check, it won a claim in the unlinked file
+            assert snap.record is not None
+            assert snap.record.owner == "new-process"
+            assert "deleted or replaced" in caplog.text
+            # What the old store writes from now on, the new one reads.
+            assert _claim(old, "old-process", key="later").won
+            later = new.get(NS, "later").record
+            assert later is not None
+            assert later.owner == "old-process"
+        finally:
+            new.close()
+    finally:
+        old.close()
+
+
+def test_a_replaced_ledger_file_is_followed_by_an_open_store(db: Path) -> None:
+    """A file moved into place (a restore) is the one an open store writes to from then on."""
+    store = SQLiteStore(db)
+    try:
+        assert _claim(store, "before").won
+        restored = db.with_name("restored.db")
+        other = SQLiteStore(restored)
+        try:
+            assert _claim(other, "restored", key="from-backup").won
+        finally:
+            other.close()
+        os.replace(restored, db)
+        snap = _claim(store, "after", key="from-backup")
+        assert not snap.won
+        assert snap.record is not None
+        assert snap.record.owner == "restored"
+        assert store.get(NS, KEY).record is None  # the old file's record went with it
+    finally:
+        store.close()
+
+
+def _chdir_and_claim(store: SQLiteStore, where: str, results: Queue[tuple[Any, ...]]) -> None:
+    os.chdir(where)
+    snap = _claim(store, "child")
+    results.put((snap.won, snap.record.owner if snap.record else None))
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_a_relative_path_names_one_file_after_the_process_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked daemon that does ``chdir("/")`` goes on using the ledger it was given."""
+    monkeypatch.chdir(tmp_path)
+    store = SQLiteStore("ledger.db")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        assert _claim(store, "parent").won
+        # The child's fresh connections open the parent's file: the claim is the parent's.
+        assert _in_forked_child(_chdir_and_claim, store, str(elsewhere)) == (False, "parent")
+        assert not (elsewhere / "ledger.db").exists()
+    finally:
+        store.close()
+
+
+def test_a_journal_mode_other_processes_hold_is_refused_with_a_clear_error(db: Path) -> None:
+    """A store asking another journal mode than a file open in WAL says why it cannot open."""
+    wal = SQLiteStore(db, journal_mode="wal")
+    try:
+        assert _claim(wal, "alice").won
+        with pytest.raises(StoreUnavailable, match="one journal mode") as caught:
+            SQLiteStore(db, journal_mode="delete", busy_timeout=0.2)
+        assert "'wal'" in str(caught.value)
+        assert "'delete'" in str(caught.value)
+        assert _claim(wal, "bob", key="other").won  # the store that holds the file goes on
+    finally:
+        wal.close()

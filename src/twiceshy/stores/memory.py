@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from .._forks import reset_in_children
 from .._records import (
     Change,
     Effect,
@@ -36,6 +37,12 @@ class MemoryStore:
         self._clock = clock
         self._records: dict[tuple[str, str], Record] = {}
         self._counts: dict[tuple[str, str, str], int] = {}
+        self._changed = threading.Condition()
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The child keeps a copy of the records (a ledger of its own from now on); the lock
+        # may have been held by a parent's thread at the fork, and that thread is not here.
         self._changed = threading.Condition()
 
     def _live(self, namespace: str, key: str, now: float) -> Record | None:

@@ -28,11 +28,23 @@ Waiting:
 Connections:
     A small pool of idle connections (autocommit, explicit transactions), taken for one
     operation and given back. After :func:`os.fork` the child never touches its parent's
-    connections: it notices the new process id and starts an empty pool.
+    connections: it notices the new process id and starts an empty pool. The path is made
+    absolute when the store is opened, so a process that changes its working directory (a
+    daemon's ``chdir("/")``) keeps using the same file.
+
+A file replaced or deleted under the store:
+    SQLite's locks belong to the file a connection opened. If the ledger file is deleted or
+    replaced (by a restore, or ``rm``) while processes hold it open, they would go on claiming
+    in the old, unlinked file while new processes claim in the new one, and one intent could
+    run once in each. Before every write transaction the store compares the path's file with
+    the one its connections opened; when they differ it logs a warning, drops its connections
+    to the old file, and opens the file now at the path (creating a ledger there if there is
+    none), as every new process does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sqlite3
@@ -231,6 +243,18 @@ _SQLITE_LOCKED: Final = 6
 _POLL_FIRST: Final = 0.001
 _POLL_CAP: Final = 0.025
 
+log = logging.getLogger("twiceshy")
+
+# A file as the operating system names it: (device, inode).
+_FileId = tuple[int, int]
+
+
+class _Connection(sqlite3.Connection):
+    """A connection that remembers which file it opened."""
+
+    file: _FileId | None = None
+
+
 # Primary result codes meaning "the file cannot be reached or used now".
 _UNAVAILABLE_CODES: Final = frozenset(
     {
@@ -317,7 +341,7 @@ def _state_slots(states: Iterable[State]) -> dict[str, str | None]:
 _SLOTS: dict[frozenset[State], dict[str, str | None]] = {}
 
 
-def _drain(idle: queue.SimpleQueue[sqlite3.Connection]) -> None:
+def _drain(idle: queue.SimpleQueue[_Connection]) -> None:
     while True:
         try:
             conn = idle.get_nowait()
@@ -345,7 +369,7 @@ class _Lent:
 
     __slots__ = ("conn", "store", "write")
 
-    def __init__(self, store: SQLiteStore, conn: sqlite3.Connection, *, write: bool) -> None:
+    def __init__(self, store: SQLiteStore, conn: _Connection, *, write: bool) -> None:
         self.store, self.conn, self.write = store, conn, write
 
     def __enter__(self) -> sqlite3.Connection:
@@ -436,7 +460,7 @@ class SQLiteStore:
                 f"synchronous must be one of {sorted(_SYNCHRONOUS)}, not {synchronous!r}"
             )
         if journal_mode is None:
-            wanted = "delete" if has_wal_reset_bug(sqlite3.sqlite_version_info) else "wal"
+            wanted = self._default_mode()
         else:
             wanted = journal_mode.lower()
             if wanted not in _JOURNAL_MODES:
@@ -455,22 +479,21 @@ class SQLiteStore:
         self._clock = clock
         self._closed = False
         self._pid = os.getpid()
-        self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[_Connection] = queue.SimpleQueue()
         self._changed = threading.Condition()
         self._version = 0
+        # Opened by this name whatever the working directory later is.
+        self._where = os.path.abspath(self.path)
+        # The file the store's connections open; see _check_file().
+        self._file: _FileId | None = None
+        self._reopening = threading.Lock()
 
-        parent = os.path.dirname(os.path.abspath(self.path))
+        parent = os.path.dirname(self._where)
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
-        conn = self._connect()
-        try:
-            self._create_schema(conn)
-        except BaseException:
-            conn.close()
-            raise
-        self._give_back(conn)
+        self._open_file()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Callable[[], float] = time.time) -> SQLiteStore:
@@ -515,13 +538,14 @@ class SQLiteStore:
 
     # -- connections ------------------------------------------------------------------------
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self) -> _Connection:
         try:
             conn = sqlite3.connect(
-                self.path,
+                self._where,
                 timeout=self._busy_timeout,
                 isolation_level=None,
                 check_same_thread=False,
+                factory=_Connection,
             )
         except sqlite3.Error as exc:
             raise _store_error(exc) from exc
@@ -530,6 +554,8 @@ class SQLiteStore:
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             # What runs, which may differ from what was asked (WAL refused by the file system).
             self.journal_mode = self._set_journal_mode(conn)
+            # The file is open (and created) by now: name it for _check_file().
+            conn.file = self._file_at_path()
         except sqlite3.Error as exc:
             conn.close()
             raise _store_error(exc) from exc
@@ -537,6 +563,43 @@ class SQLiteStore:
             conn.close()
             raise
         return conn
+
+    def _file_at_path(self) -> _FileId | None:
+        """The file now at the store's path; ``None`` when there is none."""
+        try:
+            st = os.stat(self._where)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailable(f"SQLite ledger: cannot look at {self._where!r}: {exc}") from exc
+        return st.st_dev, st.st_ino
+
+    def _open_file(self) -> None:
+        """Open the file at the path, make its tables, and lend from it from now on."""
+        conn = self._connect()
+        try:
+            self._create_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._file = conn.file
+        # Connections to a file that was there before are closed, idle or when given back.
+        _drain(self._pool())
+        self._give_back(conn)
+
+    def _check_file(self) -> None:
+        """Follow the path to a new file if the one the connections opened was replaced."""
+        if self._file_at_path() == self._file:
+            return
+        with self._reopening:
+            if self._file_at_path() == self._file:  # another thread followed it meanwhile
+                return
+            log.warning(
+                "twiceshy: SQLite ledger %r was deleted or replaced while open; its records "
+                "are not in the file now at that path, which this process uses from now on",
+                self._where,
+            )
+            self._open_file()
 
     def _set_journal_mode(self, conn: sqlite3.Connection) -> str:
         """Put the file in the chosen journal mode; answer the mode SQLite reports.
@@ -549,6 +612,7 @@ class SQLiteStore:
         deadline = time.monotonic() + self._busy_timeout
         delay = _POLL_FIRST
         while True:
+            mode = None
             try:
                 mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
                 if mode != self.journal_mode:
@@ -559,10 +623,26 @@ class SQLiteStore:
                 return mode
             except sqlite3.OperationalError as exc:
                 code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
-                if code not in (_SQLITE_BUSY, _SQLITE_LOCKED) or time.monotonic() >= deadline:
+                if code not in (_SQLITE_BUSY, _SQLITE_LOCKED):
                     raise
+                if time.monotonic() >= deadline:
+                    if mode is None:
+                        raise
+                    # Still refused after the whole busy timeout: other processes keep the file
+                    # open in the mode it is in, which is a setting they disagree on.
+                    raise StoreUnavailable(
+                        f"SQLite ledger {self._where!r} is in journal mode {mode!r} and open "
+                        f"elsewhere in that mode, so this store cannot switch it to "
+                        f"{self.journal_mode!r}: every process sharing a ledger file must use "
+                        "one journal mode (journal_mode=; by default this SQLite "
+                        f"{sqlite3.sqlite_version} uses {self._default_mode()!r})"
+                    ) from exc
             time.sleep(delay)
             delay = min(delay * 2, _POLL_CAP)
+
+    @staticmethod
+    def _default_mode() -> str:
+        return "delete" if has_wal_reset_bug(sqlite3.sqlite_version_info) else "wal"
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         try:
@@ -585,7 +665,7 @@ class SQLiteStore:
                 f"reads version {SCHEMA_VERSION}"
             )
 
-    def _pool(self) -> queue.SimpleQueue[sqlite3.Connection]:
+    def _pool(self) -> queue.SimpleQueue[_Connection]:
         pid = os.getpid()
         if pid != self._pid:
             # A forked child: the parent's connections, and a condition whose lock a parent
@@ -596,9 +676,9 @@ class SQLiteStore:
             self._changed = threading.Condition()
         return self._idle
 
-    def _give_back(self, conn: sqlite3.Connection) -> None:
+    def _give_back(self, conn: _Connection) -> None:
         idle = self._pool()
-        if self._closed or idle.qsize() >= _IDLE_CONNECTIONS:
+        if self._closed or idle.qsize() >= _IDLE_CONNECTIONS or conn.file != self._file:
             conn.close()
             return
         idle.put(conn)
@@ -609,10 +689,16 @@ class SQLiteStore:
         """Lend a connection for one operation; map driver errors to :class:`StoreError`."""
         if self._closed:
             raise StoreError(f"SQLite ledger {self.path!r} is closed")
-        try:
-            conn = self._pool().get_nowait()
-        except queue.Empty:
-            conn = self._connect()
+        idle = self._pool()
+        while True:
+            try:
+                conn = idle.get_nowait()
+            except queue.Empty:
+                conn = self._connect()
+                break
+            if conn.file == self._file:
+                break
+            conn.close()  # opened the file that was at the path before it was replaced
         return _Lent(self, conn, write=write)
 
     def _transaction(self) -> _Lent:
@@ -621,6 +707,7 @@ class SQLiteStore:
         On any error the connection is rolled back and discarded. A failed ``COMMIT`` leaves the
         outcome unknown to us; a claim retried with the same owner token recognises itself.
         """
+        self._check_file()
         return self._connection(write=True)
 
     def _notify(self) -> None:
