@@ -229,6 +229,11 @@ def main() -> None:
         f"remembered replay (Ledger(remember=256), no read): {remembered:.1f};"
         f" {remembered / floor_read:.2f}x the raw read, {remembered / hand_read:.2f}x by hand"
     )
+    _, no_store = results["memory"]
+    print(
+        f"a replay within 1.2x of the raw read leaves {floor_read * 0.2:.1f} for twiceshy's"
+        f" work; that work alone, with no store (memory://), takes {no_store:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ For each server store:
 - *remembered*: the replay on a ledger made with ``remember=``, which answers a process's
   retries of settled outcomes without a round trip; beside Powertools with its own local cache
   (``use_local_cache=True``), the like-for-like peer.
+- *no store*: the same first call and replay on a ``memory://`` ledger, taking turns with the
+  rest: twiceshy's own work with no I/O at all, set beside what a target of 1.1x the floor
+  leaves for it (a tenth of the floor).
 
 Medians of per-call times; the machine is shared, so compare ratios within one run. Only
 127.0.0.1 is used; everything the run creates (a schema, a key prefix) is removed at the end.
@@ -191,6 +194,13 @@ def measure_full(
     return {f"{name} full": value for name, value in full.items()}
 
 
+def no_store() -> tuple[twiceshy.Ledger, dict[str, Callable[[int], object]]]:
+    """A ``memory://`` ledger and its first call and replay, as cases to interleave."""
+    ledger = twiceshy.Ledger("memory://")
+    first, replay = protected(ledger)
+    return ledger, {"no store first": first, "no store replay": replay}
+
+
 def postgres(run: Run, records: int) -> dict[str, float]:
     """Measure the PostgreSQL ledger and its floor."""
     schema = f"twiceshy_bench_{secrets.token_hex(4)}"
@@ -199,6 +209,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
     first, replay = protected(ledger)
     remembering = twiceshy.Ledger(f"{POSTGRES}?schema={schema}", remember=REMEMBER)
     _, remembered = protected(remembering)
+    memory, nothing = no_store()
     conn = psycopg.connect(POSTGRES, autocommit=True)
     # The same rows in a table of the ledger's own shape (its columns, key and indexes).
     conn.execute(f"CREATE TABLE {schema}.floor (LIKE {schema}.records INCLUDING ALL)")
@@ -241,6 +252,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
                 "trivial first": trivial_first,
                 "trivial read": trivial_read,
                 "remembered": remembered,
+                **nothing,
             }
         )
         out["wake ms"] = wake_up(ledger, 30)
@@ -256,6 +268,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
     finally:
         ledger.close()
         remembering.close()
+        memory.close()
         conn.execute(f"DROP SCHEMA {schema} CASCADE")
         conn.close()
     return out
@@ -268,6 +281,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     first, replay = protected(ledger)
     remembering = twiceshy.Ledger(f"{REDIS}?prefix={prefix}", remember=REMEMBER)
     _, remembered = protected(remembering)
+    memory, nothing = no_store()
     client = redis.Redis.from_url(REDIS)
     client.hset(f"{prefix}:floor:replayed", mapping=same_fields("replayed", 0))
     client.hset(f"{prefix}:trivial:replayed", mapping={"state": "succeeded", "result": "{}"})
@@ -314,6 +328,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
                 "powertools replay": pt_replay,
                 "remembered": remembered,
                 "powertools cached": pt_cached,
+                **nothing,
             }
         )
         out["wake ms"] = wake_up(ledger, 30)
@@ -346,6 +361,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     finally:
         ledger.close()
         remembering.close()
+        memory.close()
         for batch in _batches(client.scan_iter(match=f"{prefix}*", count=10_000)):
             client.delete(*batch)
         for batch in _batches(client.scan_iter(match="bench-powertools*", count=10_000)):
@@ -452,6 +468,24 @@ def main() -> None:
         f" twiceshy's replay is {r['powertools replay'] / r['replay']:.1f}x faster,"
         f" its first call {r['powertools first'] / r['first']:.1f}x"
     )
+    print()
+    print(
+        "What 1.1x the floor leaves for twiceshy's work, beside that work alone with no store"
+        " (memory://, in the same rounds):"
+    )
+    print(f"  {'store':<9} {'call':<7} {'floor':>7} {'leaves':>7} {'used':>7} {'no store':>9}")
+    for name, r in results.items():
+        for call, floor_name in (("first", "floor first"), ("replay", "floor read")):
+            floor = r[floor_name]
+            print(
+                f"  {name:<9} {call:<7} {floor:>7.0f} {floor * 0.1:>7.0f} {r[call] - floor:>7.0f}"
+                f" {r[f'no store {call}']:>9.0f}"
+            )
+    print(
+        "  leaves: a tenth of the floor; used: twiceshy's time beyond the floor; no store: the"
+        " same call on memory://.\n  Where 'no store' exceeds 'leaves', no store could meet 1.1x."
+    )
+    r = results["redis"]
     print()
     print(f"Remembered replay (Ledger(remember={REMEMBER})), no round trip:")
     for name, res in results.items():
