@@ -46,7 +46,6 @@ def _sqlite(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]
 def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
     """A PostgreSQL store in a schema of its own, dropped afterwards."""
     url = servers.require("postgres")
-    import psycopg
 
     from twiceshy.stores.postgres import PostgresStore
 
@@ -55,8 +54,7 @@ def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], Non
 
     def cleanup() -> None:
         store.close()
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        servers.drop_schema(url, schema)
 
     return store, cleanup
 
@@ -64,7 +62,6 @@ def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], Non
 def _redis(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
     """A Redis store under a key prefix of its own, whose keys are deleted afterwards."""
     url = servers.require("redis")
-    import redis
 
     from twiceshy.stores.redis import RedisStore
 
@@ -73,13 +70,7 @@ def _redis(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]
 
     def cleanup() -> None:
         store.close()
-        client = redis.Redis.from_url(url)
-        try:
-            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
+        servers.delete_prefix(url, prefix)
 
     return store, cleanup
 
@@ -117,10 +108,6 @@ def store(request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path) -> I
 def pg() -> Iterator[tuple[str, str]]:
     """The PostgreSQL server's URL and a fresh schema name; the schema is dropped afterwards."""
     url = servers.require("postgres")
-    import psycopg
-    from psycopg import sql
-
     schema = f"twiceshy_test_{secrets.token_hex(6)}"
     yield url, schema
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    servers.drop_schema(url, schema)

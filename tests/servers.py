@@ -44,3 +44,25 @@ def require(kind: str) -> str:
     if os.environ.get("TWICESHY_REQUIRE_SERVERS") == "1":
         pytest.fail(f"{message} (TWICESHY_REQUIRE_SERVERS=1)")
     pytest.skip(message)
+
+
+def drop_schema(url: str, schema: str) -> None:
+    """Drop a test's PostgreSQL schema and everything in it."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete a test's Redis keys: every key under ``prefix``."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

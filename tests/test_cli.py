@@ -58,23 +58,12 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         base = servers.require("postgres")
         schema = f"twiceshy_cli_{secrets.token_hex(6)}"
         yield _with_query(base, "schema", schema)
-        import psycopg
-
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        servers.drop_schema(base, schema)
     else:
         base = servers.require("redis")
         prefix = f"twiceshy-cli-{secrets.token_hex(6)}"
         yield _with_query(base, "prefix", prefix)
-        import redis
-
-        client = redis.Redis.from_url(base)
-        try:
-            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
+        servers.delete_prefix(base, prefix)
 
 
 def cli(url: str, namespace: str, *args: str) -> Result:
@@ -614,6 +603,8 @@ def test_unknown_key_is_one_line_and_exit_1(ledger_url: str) -> None:
         pytest.param("memory://", 2, "inside one process", id="memory"),
         pytest.param("redis://127.0.0.1:1/0", 3, "unreachable", id="unreachable"),
         pytest.param("sqlite:////nonexistent/twiceshy/l.db", 3, "no ledger file", id="no-file"),
+        pytest.param("postgresql://[::1/test", 2, "bad ledger URL", id="bad-ipv6"),
+        pytest.param("redis://127.0.0.1:1/0?bogus=1", 2, "bad ledger URL", id="redis-param"),
     ],
 )
 def test_ledger_errors_are_one_line(url: str, code: int, words: str) -> None:
@@ -623,8 +614,11 @@ def test_ledger_errors_are_one_line(url: str, code: int, words: str) -> None:
 
 
 def test_password_is_not_printed() -> None:
-    """A password in the ledger URL never reaches the terminal."""
+    """A password in the ledger URL never reaches the terminal, even in a URL urlsplit refuses."""
     line = one_line_error(cli("redis://:hunter2@127.0.0.1:1/0", "", "ls"), 3)
+    assert "hunter2" not in line
+    assert "***" in line
+    line = one_line_error(cli("postgresql://u:hunter2@[::1/test", "", "ls"), 2)
     assert "hunter2" not in line
     assert "***" in line
 
@@ -672,3 +666,22 @@ def test_python_m_twiceshy_ledger_from_the_environment() -> None:
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert "redis://127.0.0.1:1/0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "words"),
+    [
+        pytest.param("nosuch://x", 2, "bad ledger URL", id="bad-url"),
+        pytest.param("redis://:hunter2@127.0.0.1:1/0", 3, "unreachable", id="unreachable"),
+        pytest.param("redis://:hunter2@127.0.0.1:1/0?bogus=1", 2, "bad ledger URL", id="param"),
+        pytest.param(
+            "postgresql://postgres:hunter2@127.0.0.1:1/test", 3, "cannot be reached", id="pg"
+        ),
+    ],
+)
+def test_demo_ledger_errors_follow_the_exit_codes(url: str, code: int, words: str) -> None:
+    """``demo --ledger``: a bad URL exits 2, an unreachable ledger 3; one line, no password."""
+    result = CliRunner().invoke(main, ["demo", "--ledger", url], catch_exceptions=False)
+    line = one_line_error(result, code)
+    assert words in line
+    assert "hunter2" not in result.output

@@ -5,13 +5,16 @@ from __future__ import annotations
 import io
 import os
 import re
+import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+import servers
 from twiceshy._demo import DemoResult, print_report, run_demo
 
 
@@ -137,3 +140,33 @@ def test_console_script_refuses_an_unknown_ledger_url() -> None:
     assert done.returncode != 0
     assert "nosuch://x" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_report_never_prints_the_ledger_password() -> None:
+    """A password in ``--ledger URL`` appears neither in the result nor in the printed report."""
+    out = io.StringIO()
+    result = run_demo("memory://demo:hunter2@ledger.example", console=Console(file=out, width=200))
+    assert result.ok
+    assert "hunter2" not in result.ledger_url
+    assert "hunter2" not in out.getvalue()
+    assert "memory://demo:***@ledger.example" in out.getvalue()
+
+
+@pytest.fixture(params=["postgres", "redis"])
+def server_ledger(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A loopback PostgreSQL or Redis ledger URL with its own schema or prefix, removed after."""
+    base = servers.require(request.param)
+    name = f"twiceshy_demo_{secrets.token_hex(6)}"
+    if request.param == "postgres":
+        yield f"{base}?schema={name}"
+        servers.drop_schema(base, name)
+    else:
+        yield f"{base}?prefix={name}"
+        servers.delete_prefix(base, name)
+
+
+def test_console_script_runs_on_server_ledgers(server_ledger: str) -> None:
+    """``demo --ledger URL`` tells the full story on a PostgreSQL and a Redis ledger too."""
+    done = _script("demo", "--ledger", server_ledger)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 / 1 / 1, as expected" in done.stdout

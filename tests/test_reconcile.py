@@ -56,23 +56,12 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         base = servers.require("postgres")
         schema = f"twiceshy_rec_{secrets.token_hex(6)}"
         yield _with_query(base, "schema", schema)
-        import psycopg
-
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        servers.drop_schema(base, schema)
     else:
         base = servers.require("redis")
         prefix = f"twiceshy-rec-{secrets.token_hex(6)}"
         yield _with_query(base, "prefix", prefix)
-        import redis
-
-        client = redis.Redis.from_url(base)
-        try:
-            keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
+        servers.delete_prefix(base, prefix)
 
 
 @pytest.fixture

@@ -51,13 +51,11 @@ def admin(url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def prefix(admin: redis.Redis) -> Iterator[str]:
+def prefix(url: str) -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""
     name = f"twiceshy-test:{secrets.token_hex(6)}"
     yield name
-    keys = list(admin.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        admin.delete(*keys)
+    servers.delete_prefix(url, name)
 
 
 @pytest.fixture

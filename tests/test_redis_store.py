@@ -57,13 +57,7 @@ def prefix(url: str) -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""
     name = f"twiceshy-test:{secrets.token_hex(6)}"
     yield name
-    client = redis.Redis.from_url(url)
-    try:
-        keys = list(client.scan_iter(match=f"{name}*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    servers.delete_prefix(url, name)
 
 
 @pytest.fixture

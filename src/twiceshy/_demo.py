@@ -291,7 +291,7 @@ class DemoResult:
         keyed: act 2, the ``KEYED`` tool.
         unsafe: act 3, the ``UNSAFE`` tool.
         message: what the model reads in act 3: ``str()`` of the ``OutcomeUnknown``.
-        ledger_url: the ledger the acts used.
+        ledger_url: the ledger the acts used, as shown (without its password).
         scope: the run scope of this demo run.
         seconds: how long the acts took.
     """
@@ -322,6 +322,12 @@ class DemoResult:
 
 
 # -- the acts -------------------------------------------------------------------------------------
+
+
+def _shown(url: str) -> str:
+    """The ledger URL as the report prints it: without its password."""
+    password = urlsplit(url).password
+    return url.replace(f":{password}@", ":***@") if password else url
 
 
 def _call(tool: Tool, customer: str, client: _Client) -> tuple[Call, BaseException | None]:
@@ -453,7 +459,7 @@ def run_demo(ledger_url: str | None = None, *, console: Console | None = None) -
         keyed=keyed,
         unsafe=unsafe,
         message=message,
-        ledger_url=url if ledger_url is not None else "a fresh SQLite file (temporary)",
+        ledger_url=_shown(url) if ledger_url is not None else "a fresh SQLite file (temporary)",
         scope=scope,
         seconds=time.perf_counter() - started,
     )

@@ -190,21 +190,44 @@ def _ledger_options(fn: F) -> F:
     )(fn)
 
 
+# The password of a URL urlsplit cannot read: what follows "user:" up to the last "@".
+_USERINFO_PASSWORD: Final = re.compile(r"^[^:/?#]*://[^/?#:@]*:(?P<password>.*)@")
+
+
+def _password(url: str) -> str | None:
+    """The URL's password, found even where the URL cannot be parsed (a bad host)."""
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        match = _USERINFO_PASSWORD.match(url)
+        return match["password"] if match else None
+
+
 def _redacted(url: str) -> str:
     """The URL without its password."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return url
-    return url.replace(password, "***") if password else url
+    return _scrubbed(url, url)
 
 
 def _scrubbed(message: str, url: str) -> str:
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return message
+    password = _password(url)
     return message.replace(password, "***") if password else message
+
+
+def _open_store(url: str) -> Store:
+    """Open the store ``url`` names; a bad URL or an unreachable store becomes a
+    :class:`CommandError` (exit 2 or 3)."""
+    shown = _redacted(url)
+    try:
+        store, _ = open_store(url)
+    except (ValueError, TypeError) as exc:
+        # A driver refuses parameters it does not know with a TypeError (redis-py's from_url).
+        raise BadUsage(f"bad ledger URL {shown}: {_scrubbed(str(exc), url)}") from exc
+    except ImportError as exc:
+        raise LedgerUnavailable(f"cannot open the ledger {shown}: {exc}") from exc
+    except StoreError as exc:
+        message = _scrubbed(str(exc), url)
+        raise LedgerUnavailable(f"cannot open the ledger {shown}: {message}") from exc
+    return store
 
 
 @contextmanager
@@ -212,7 +235,10 @@ def _opened(ledger_url: str | None) -> Iterator[Store]:
     """Open the ledger's store for one command; store failures become :class:`CommandError`."""
     url = ledger_url or default_url()
     shown = _redacted(url)
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise BadUsage(f"bad ledger URL {shown}: {exc}") from exc
     if parts.scheme.lower() == "memory":
         raise BadUsage(
             f"{shown} is a ledger inside one process: the command line cannot see its records"
@@ -222,15 +248,7 @@ def _opened(ledger_url: str | None) -> Iterator[Store]:
         path = unquote(parts.path[1:])
         if path and not os.path.exists(path):
             raise LedgerUnavailable(f"no ledger file at {path!r} ({shown})")
-    try:
-        store, _ = open_store(url)
-    except ValueError as exc:
-        raise BadUsage(f"bad ledger URL {shown}: {_scrubbed(str(exc), url)}") from exc
-    except ImportError as exc:
-        raise LedgerUnavailable(f"cannot open the ledger {shown}: {exc}") from exc
-    except StoreError as exc:
-        message = _scrubbed(str(exc), url)
-        raise LedgerUnavailable(f"cannot open the ledger {shown}: {message}") from exc
+    store = _open_store(url)
     try:
         yield store
     except StoreError as exc:
@@ -369,7 +387,10 @@ def main() -> None:
     "ledger_url",
     metavar="URL",
     default=None,
-    help="The ledger to use (memory://, sqlite:///path). Default: a fresh temporary SQLite file.",
+    help=(
+        "The ledger to use (memory://, sqlite:///path, postgresql://..., redis://...). "
+        "Default: a fresh temporary SQLite file."
+    ),
 )
 def demo(ledger_url: str | None) -> None:
     """Re-enact a double charge, and twiceshy preventing it.
@@ -379,11 +400,15 @@ def demo(ledger_url: str | None) -> None:
     """
     from ._demo import run_demo  # the demo's provider double is for this command only
 
+    if ledger_url is not None:
+        # Refuse a bad or unreachable ledger as every command does (exit 2 or 3), before the acts.
+        _open_store(ledger_url).close()
     try:
         result = run_demo(ledger_url, console=Console())
     except (ValueError, twiceshy.StoreError) as exc:
-        which = repr(ledger_url) if ledger_url is not None else "(temporary)"
-        raise click.ClickException(f"cannot use the ledger {which}: {exc}") from exc
+        which = _redacted(ledger_url) if ledger_url is not None else "(temporary)"
+        message = _scrubbed(str(exc), ledger_url) if ledger_url is not None else str(exc)
+        raise LedgerUnavailable(f"cannot use the ledger {which}: {message}") from exc
     if not result.ok:
         raise SystemExit(1)
 

@@ -245,6 +245,72 @@ def test_annotations_decide_the_effect_class_unless_declared(ledger: twiceshy.Le
     assert [r.data for r in results["declared"]] == [1, 1]
 
 
+def test_omitted_default_and_explicit_default_are_one_intent(ledger: twiceshy.Ledger) -> None:
+    """A client leaving out a defaulted argument, then sending its default, runs the tool once."""
+    sent: list[tuple[str, bool]] = []
+    server = FastMCP("mailer")
+
+    @server.tool(annotations=ToolAnnotations(destructive_hint=False))
+    def send_mail(to: str, urgent: bool = False) -> str:
+        """Send an e-mail."""
+        sent.append((to, urgent))
+        return f"mail {len(sent)}"
+
+    server.add_middleware(TwiceshyMiddleware(ledger))
+
+    async def main() -> list[str]:
+        async with Client(server) as client:
+            return [
+                text(await client.call_tool("send_mail", args, meta=scoped("run-1")))
+                for args in (
+                    {"to": "a@b.c"},
+                    {"to": "a@b.c", "urgent": False},
+                    {"to": "a@b.c", "urgent": True},
+                )
+            ]
+
+    assert run(main) == ["mail 1", "mail 1", "mail 2"]
+    assert sent == [("a@b.c", False), ("a@b.c", True)]
+
+
+class Declined(Exception):
+    """The provider refused the charge: it certainly did not happen."""
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_definite_failure_is_replayed_as_the_same_error_result(
+    ledger: twiceshy.Ledger, mask: bool
+) -> None:
+    """A failure declared definite reaches a retry as the first call's isError result, once."""
+    attempts: list[int] = []
+    server = FastMCP("billing", mask_error_details=mask)
+
+    @server.tool
+    def charge_card(amount: int) -> str:
+        """Charge a card."""
+        attempts.append(amount)
+        raise Declined("card declined by issuer 4711")
+
+    guard = ledger.guard("charge_card", effect=twiceshy.UNSAFE, definite=(Declined,))
+    server.add_middleware(TwiceshyMiddleware(ledger, effects={"charge_card": guard}))
+
+    async def main() -> list[CallToolResult]:
+        async with Client(server) as client:
+            return [
+                await client.call_tool(
+                    "charge_card", {"amount": 5}, meta=scoped("run-1"), raise_on_error=False
+                )
+                for _ in "12"
+            ]
+
+    first, second = run(main)
+    assert first.is_error
+    assert second.is_error
+    detail = "" if mask else ": card declined by issuer 4711"
+    assert text(first) == text(second) == f"Error calling tool 'charge_card'{detail}"
+    assert attempts == [5]
+
+
 def test_missing_scope_is_an_error_and_nothing_runs(ledger: twiceshy.Ledger) -> None:
     """A call without the scope in _meta gets isError naming the key, and the tool never runs."""
     sent: list[str] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import threading
 from collections.abc import Iterator
@@ -160,15 +161,28 @@ def test_async_transport(provider: tuple[Provider, str]) -> None:
     assert len(state.charges) == 1
 
 
+def _openai_client(base: str) -> openai.OpenAI:
+    """The OpenAI SDK on httpx2 with twiceshy's transport, retrying twice, at the double."""
+    http_client = httpx2.Client(transport=tx2.IdempotencyKeyTransport())
+    return openai.OpenAI(
+        base_url=f"{base}/v1", api_key="test", http_client=http_client, max_retries=2
+    )
+
+
+def _posted_keys(state: Provider) -> list[str]:
+    """The Idempotency-Key of each of the two POSTs the double saw (a try and its retry)."""
+    posts = [k for method, _, k in state.seen if method == "POST"]
+    assert len(posts) == 2
+    assert None not in posts
+    return [k for k in posts if k is not None]
+
+
 def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]) -> None:
     """The OpenAI SDK (httpx2) retrying a failed request sends the same Idempotency-Key again."""
     state, base = provider
-    state.fail_first = 1
+    state.fail_first = 1  # the SDK retries the first request
     ledger = twiceshy.Ledger("memory://")
-    http_client = httpx2.Client(transport=tx2.IdempotencyKeyTransport())
-    client = openai.OpenAI(
-        base_url=f"{base}/v1", api_key="test", http_client=http_client, max_retries=2
-    )
+    client = _openai_client(base)
 
     @ledger.tool(effect=twiceshy.KEYED)
     def create(name: str) -> str:
@@ -178,10 +192,92 @@ def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]
     with twiceshy.run("run-h5"):
         charge_id = create("x")
     client.close()
-    posts = [k for method, _, k in state.seen if method == "POST"]
-    assert len(posts) == 2
-    assert posts[0] is not None
+    posts = _posted_keys(state)
     assert len(posts[0]) == 64  # ours: the SDK itself sends no Idempotency-Key
     assert posts[0] == posts[1]
     assert charge_id == "ch_1"
     assert len(state.charges) == 1
+
+
+def test_sdk_retry_of_a_multipart_upload_carries_the_same_header(
+    provider: tuple[Provider, str],
+) -> None:
+    """An SDK's retry of a file upload repeats the header, though each try draws a new boundary."""
+    state, base = provider
+    state.fail_first = 1  # the SDK retries the first request
+    ledger = twiceshy.Ledger("memory://")
+    client = _openai_client(base)
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def upload(text: str) -> str:
+        files = {"file": ("notes.txt", text.encode())}
+        response = client.post(
+            "/files",
+            body={"purpose": "assistants"},
+            files=files,
+            options={"headers": {"Content-Type": "multipart/form-data"}},
+            cast_to=httpx2.Response,
+        )
+        return str(response.json()["id"])
+
+    with twiceshy.run("run-h6"):
+        upload("hello")
+    client.close()
+    posts = _posted_keys(state)
+    assert posts[0] == posts[1]
+    assert len(state.charges) == 1
+
+
+def test_async_multipart_header_follows_the_content(provider: tuple[Provider, str]) -> None:
+    """Async: the same upload twice carries one header; another file's upload another one."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    async def upload(text: str) -> None:
+        async with httpx.AsyncClient(
+            base_url=base, transport=tx.AsyncIdempotencyKeyTransport()
+        ) as client:
+            for content in (text, text, text + "!"):
+                files = {"file": ("notes.txt", content.encode())}
+                await client.post("/v1/files", data={"purpose": "x"}, files=files)
+
+    async def main() -> None:
+        with twiceshy.run("run-h7"):
+            await upload("hello")
+
+    asyncio.run(main())
+    keys = [k for _, _, k in state.seen]
+    assert len(keys) == 3
+    assert keys[0] is not None
+    assert keys[0] == keys[1] != keys[2]
+
+
+def test_header_reaches_to_thread_and_copied_contexts_only(provider: tuple[Provider, str]) -> None:
+    """As documented: asyncio.to_thread and a copied context get the header; a bare thread none."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx.Client(base_url=base, transport=tx.IdempotencyKeyTransport())
+
+    def send() -> None:
+        client.post("/v1/charges", json={"amount": 1})
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    async def charge(amount: int) -> None:
+        await asyncio.to_thread(send)
+        bare = threading.Thread(target=send)
+        bare.start()
+        bare.join()
+        copied = threading.Thread(target=contextvars.copy_context().run, args=(send,))
+        copied.start()
+        copied.join()
+
+    async def main() -> None:
+        with twiceshy.run("run-h8"):
+            await charge(1)
+
+    asyncio.run(main())
+    client.close()
+    keys = [k for _, _, k in state.seen]
+    assert keys[0] is not None
+    assert keys == [keys[0], None, keys[0]]

@@ -22,11 +22,11 @@ from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.fake_chat_models import FakeMessagesListChatModel
 from langchain_core.messages import AIMessage, AnyMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
-from langchain_core.tools import tool
+from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
-from langgraph.prebuilt import ToolNode, ToolRuntime
+from langgraph.prebuilt import InjectedState, ToolNode, ToolRuntime
 from langgraph.types import Command, RetryPolicy, interrupt
 from pydantic import Field
 
@@ -455,6 +455,69 @@ def test_tool_node_parallel_duplicates_run_once(ledger: twiceshy.Ledger) -> None
     answers = {m.tool_call_id: m.content for m in out["messages"] if isinstance(m, ToolMessage)}
     assert answers == {"p1": "ch_1_4900", "p2": "ch_1_4900"}
     assert len(provider.keys) == 1
+
+
+def test_artifact_is_replayed_with_the_content(ledger: twiceshy.Ledger) -> None:
+    """A tool answering content and artifact gives a retry both again, without running."""
+    searches: list[str] = []
+
+    @tool(response_format="content_and_artifact")
+    def search_orders(customer: str) -> tuple[str, dict[str, Any]]:
+        """Search a customer's orders."""
+        searches.append(customer)
+        return "2 orders", {"order_ids": ["o_1", "o_2"]}
+
+    protect = TwiceshyMiddleware(ledger, {"search_orders": twiceshy.UNSAFE})
+    app = tool_graph(
+        ToolNode(
+            [search_orders],
+            wrap_tool_call=protect.wrap_tool_call,
+            awrap_tool_call=protect.awrap_tool_call,
+        )
+    )
+    args = {"customer": "cus_1"}
+    first = app.invoke({"messages": [calls(("search_orders", args, "a1"))]}, thread("g-8"))
+    second = app.invoke({"messages": [calls(("search_orders", args, "a2"))]}, thread("g-8"))
+    third = asyncio.run(
+        app.ainvoke({"messages": [calls(("search_orders", args, "a3"))]}, thread("g-8"))
+    )
+
+    assert searches == ["cus_1"]
+    answers = [out["messages"][-1] for out in (first, second, third)]
+    assert [(a.tool_call_id, a.content) for a in answers] == [
+        ("a1", "2 orders"),
+        ("a2", "2 orders"),
+        ("a3", "2 orders"),
+    ]
+    assert [a.artifact for a in answers] == [{"order_ids": ["o_1", "o_2"]}] * 3
+
+
+def test_injected_arguments_sent_by_the_model_are_no_part_of_the_intent(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A model sending a value for an injected parameter (ToolNode drops it) calls one intent."""
+    sent: list[str] = []
+
+    @tool
+    def send_mail(
+        to: str,
+        state: Annotated[dict[str, Any], InjectedState],
+        call_id: Annotated[str, InjectedToolCallId],
+    ) -> str:
+        """Send a mail."""
+        sent.append(to)
+        return f"mail {len(sent)}"
+
+    protect = TwiceshyMiddleware(ledger, {"send_mail": twiceshy.UNSAFE})
+    app = tool_graph(ToolNode([send_mail], wrap_tool_call=protect.wrap_tool_call))
+    forged = {"to": "a@example.com", "state": {"messages": []}, "call_id": "x"}
+    answers: list[object] = []
+    for args, call_id in (({"to": "a@example.com"}, "s1"), (forged, "s2")):
+        out = app.invoke({"messages": [calls(("send_mail", args, call_id))]}, thread("g-9"))
+        answers.append(out["messages"][-1].content)
+
+    assert sent == ["a@example.com"]
+    assert answers == ["mail 1", "mail 1"]
 
 
 def test_langgraph_retry_policy_meets_the_ledger(ledger: twiceshy.Ledger) -> None:

@@ -229,6 +229,34 @@ def test_annotations_decide_the_effect_class_unless_declared(ledger: twiceshy.Le
     assert effect_from_annotations(ToolAnnotations(idempotent_hint=True)) is twiceshy.SAFE
 
 
+def test_omitted_default_and_explicit_default_are_one_intent(ledger: twiceshy.Ledger) -> None:
+    """A client leaving out a defaulted argument, then sending its default, runs the tool once."""
+    sent: list[tuple[str, bool]] = []
+    server: MCPServer[Any] = MCPServer("mailer")
+
+    @server.tool()
+    def send_mail(to: str, urgent: bool = False) -> str:
+        """Send an e-mail."""
+        sent.append((to, urgent))
+        return f"mail {len(sent)}"
+
+    protect(server, ledger, effects={"send_mail": twiceshy.UNSAFE})
+
+    async def main() -> list[str]:
+        async with Client(server) as client:
+            return [
+                text(await client.call_tool("send_mail", args, meta=scoped("run-1")))
+                for args in (
+                    {"to": "a@b.c"},
+                    {"to": "a@b.c", "urgent": False},
+                    {"to": "a@b.c", "urgent": True},
+                )
+            ]
+
+    assert run(main) == ["mail 1", "mail 1", "mail 2"]
+    assert sent == [("a@b.c", False), ("a@b.c", True)]
+
+
 def test_missing_scope_is_an_error_and_nothing_runs(ledger: twiceshy.Ledger) -> None:
     """A call without the scope in _meta gets isError naming the key, and the tool never runs."""
     sent: list[str] = []

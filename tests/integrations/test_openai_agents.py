@@ -468,3 +468,22 @@ def test_arguments_the_schema_refuses_release_the_intent(ledger: twiceshy.Ledger
     assert "error occurred" in outputs["call_1"]
     assert outputs["call_3"] == "wired 100"
     assert wired == [100]
+
+
+def test_a_safe_tool_runs_without_a_scope(ledger: twiceshy.Ledger) -> None:
+    """A SAFE tool keeps no record, so a run with no scope still gets its answer."""
+    looked_up: list[str] = []
+
+    @function_tool
+    def lookup(customer: str) -> str:
+        """Look a customer up."""
+        looked_up.append(customer)
+        return f"{customer} is in good standing"
+
+    tools = protect([lookup], ledger, effects={"lookup": twiceshy.SAFE})
+    model = script(calls("call_1", name="lookup", args={"customer": "cus_1"}))
+
+    assert run(Agent(name="support", model=model, tools=tools)) == "done"
+
+    assert received(model) == {"call_1": "cus_1 is in good standing"}
+    assert looked_up == ["cus_1"]

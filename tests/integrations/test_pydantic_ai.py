@@ -23,6 +23,7 @@ from pydantic_ai.messages import (
     ModelResponse,
     TextPart,
     ToolCallPart,
+    ToolReturn,
     ToolReturnPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -549,6 +550,56 @@ def test_identical_calls_in_one_response_run_once(ledger: Ledger) -> None:
     assert [r.content for r in script.results(2)] == ["ch_1", "ch_1"]
     assert provider.effects == 1
     assert len(provider.keys) == 1
+
+
+@pytest.mark.parametrize("ending", ["failed", "refused"])
+def test_identical_calls_that_fail_are_each_answered_under_their_own_id(
+    ledger: Ledger, ending: str
+) -> None:
+    """Two identical calls in one response that fail: one run, one result for each call id."""
+    attempts: list[int] = []
+    script = Script(call("wire", WIRE, "c1", "c2"), done())
+    agent = Agent(
+        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"wire": UNSAFE})]
+    )
+
+    @agent.tool_plain(retries=3)
+    async def wire(amount: int, iban: str) -> str:
+        attempts.append(amount)
+        await asyncio.sleep(0.05)
+        if ending == "failed":
+            raise ToolFailed("the account is closed")
+        raise ModelRetry("the bank is closed for a minute; call again")
+
+    agent.run_sync("pay", run_id="run-1")
+
+    results = script.results(2)
+    # A provider refuses a request in which a tool call has no result of its own.
+    assert sorted(r.tool_call_id for r in results) == ["c1", "c2"]
+    assert {r.outcome for r in results} == {"failed" if ending == "failed" else "retried"}
+    assert len(attempts) == 1
+
+
+def test_a_replayed_tool_return_is_rebuilt_as_the_tool_returned_it(ledger: Ledger) -> None:
+    """A tool's ToolReturn replays as a ToolReturn: the model reads what the first call gave it."""
+    sent: list[str] = []
+    script = Script(call("wire", WIRE, "c1"), call("wire", WIRE, "c2"), done())
+    agent = Agent(
+        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"wire": UNSAFE})]
+    )
+
+    @agent.tool_plain
+    def wire(amount: int, iban: str) -> ToolReturn:
+        sent.append(iban)
+        return ToolReturn(return_value="wire 1 sent", content="the receipt follows")
+
+    agent.run_sync("pay", run_id="run-1")
+
+    (first,) = script.results(2)
+    (replayed,) = script.results(3)
+    assert replayed.content == first.content == "wire 1 sent"
+    assert replayed.model_response_str() == first.model_response_str()
+    assert len(sent) == 1
 
 
 # -- construction ------------------------------------------------------------------------

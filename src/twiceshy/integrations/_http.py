@@ -4,7 +4,9 @@ A KEYED tool makes HTTP requests inside a protected call; each one gets a header
 call's key **and the request's content** (method, URL, body). An SDK's own retry of one request
 sends the same content, so it carries the same header and the provider deduplicates it; two
 different requests of one call (create a customer, then charge it) get different headers. A
-counter would not do: it gives an SDK's retry of one request a new header.
+counter would not do: it gives an SDK's retry of one request a new header. A multipart body is
+hashed without its boundary: httpx draws a new random one each time a request is built, so
+every retry of an upload would otherwise carry a new header.
 
 The transports for ``httpx`` and its fork ``httpx2`` (which the openai, anthropic and mcp SDKs
 use) are made here from one definition, for each module's own base classes.
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection
+from email.message import Message
 from typing import Any
 
 from .._records import Effect
 from .._scope import current_call
 
-__all__ = ["DEFAULT_METHODS", "header_value", "make_transports"]
+__all__ = ["DEFAULT_METHODS", "header_value", "make_transports", "request_content"]
 
 DEFAULT_METHODS: frozenset[str] = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 """The methods that get a header by default: those that change something."""
@@ -35,6 +38,18 @@ def header_value(key: str, method: str, url: str, body: bytes) -> str:
     return digest.hexdigest()
 
 
+def request_content(content_type: str | None, body: bytes) -> bytes:
+    """The body as the header sees it: a multipart body's random boundary made a fixed one."""
+    if not content_type or not content_type.lower().startswith("multipart/"):
+        return body
+    parsed = Message()
+    parsed["Content-Type"] = content_type
+    boundary = parsed.get_param("boundary")
+    if not isinstance(boundary, str) or not boundary:
+        return body
+    return body.replace(b"--" + boundary.encode("latin-1"), b"--twiceshy-boundary")
+
+
 class _Rule:
     """Which requests get a header, and under which name."""
 
@@ -44,6 +59,11 @@ class _Rule:
         self.header = header
         self.methods = frozenset(m.upper() for m in methods)
         self.effects = frozenset(effects)
+
+    def value(self, key: str, request: Any, body: bytes) -> str:
+        """The header for ``request`` (its body read as ``body``) inside the call ``key``."""
+        content = request_content(request.headers.get("Content-Type"), body)
+        return header_value(key, request.method, str(request.url), content)
 
     def applies(self, request: Any) -> str | None:
         """The call's key when ``request`` should get a header, else ``None``."""
@@ -83,9 +103,7 @@ def make_transports(module: Any) -> tuple[type[Any], type[Any]]:
             key = self._rule.applies(request)
             if key is not None:
                 body = request.read()
-                request.headers[self._rule.header] = header_value(
-                    key, request.method, str(request.url), body
-                )
+                request.headers[self._rule.header] = self._rule.value(key, request, body)
             return self._transport.handle_request(request)
 
         def close(self) -> None:
@@ -109,9 +127,7 @@ def make_transports(module: Any) -> tuple[type[Any], type[Any]]:
             key = self._rule.applies(request)
             if key is not None:
                 body = await request.aread()
-                request.headers[self._rule.header] = header_value(
-                    key, request.method, str(request.url), body
-                )
+                request.headers[self._rule.header] = self._rule.value(key, request, body)
             return await self._transport.handle_async_request(request)
 
         async def aclose(self) -> None:

@@ -6,10 +6,11 @@ That line adds a middleware whose ``on_call_tool`` hands every tool call to a
 :class:`twiceshy.Guard`; nothing else is touched. Install with ``pip install 'twiceshy[fastmcp]'``.
 The rules are those of :mod:`twiceshy.integrations.mcp`:
 
-- **Intent**: the tool's name and its ``arguments`` as the client sent them, in the run scope the
-  client names in the request's ``_meta`` under ``"dev.twiceshy/scope"`` (or an explicit key under
-  ``"dev.twiceshy/key"``); without either, the ``scope=`` fallback, else the call does not run and
-  the client reads an ``isError`` result saying it must send the scope. (FastMCP leaves
+- **Intent**: the tool's name and its ``arguments`` as the client sent them (with the tool's
+  parameter defaults filled in for omitted ones), in the run scope the client names in the
+  request's ``_meta`` under ``"dev.twiceshy/scope"`` (or an explicit key under
+  ``"dev.twiceshy/key"``); without either, the ``scope=`` fallback, else the call does not run
+  and the client reads an ``isError`` result saying it must send the scope. (FastMCP leaves
   ``context.message.meta`` empty; the client's ``_meta`` is read from the request context.)
 - **Effect class**: an entry in ``effects=`` wins; otherwise the tool's annotations decide:
   ``readOnlyHint`` or ``idempotentHint`` → ``SAFE``, anything else → ``UNSAFE``.
@@ -38,7 +39,7 @@ from mcp.types import CallToolRequestParams, ContentBlock, TextContent
 from pydantic import TypeAdapter
 
 from twiceshy import Guard, Ledger
-from twiceshy.errors import InProgress, NotApplied, OutcomeUnknown
+from twiceshy.errors import InProgress, NotApplied, OutcomeUnknown, TwiceshyError
 from twiceshy.integrations.mcp import (
     REFUSALS,
     Effects,
@@ -47,6 +48,7 @@ from twiceshy.integrations.mcp import (
     _identity,
     _Interim,
     _text_of,
+    _with_defaults,
     effect_from_annotations,
 )
 
@@ -131,22 +133,26 @@ class TwiceshyMiddleware(Middleware):
 
     async def _guard_for(
         self, context: MiddlewareContext[CallToolRequestParams]
-    ) -> Guard | str | None:
-        """The tool's guard; ``None`` for a tool the server does not know; a refusal's text."""
+    ) -> tuple[Guard | str | None, object]:
+        """The tool's guard and its parameters' JSON schema (``None`` when unknown).
+
+        The guard is ``None`` for a tool the server does not know, or a refusal's text.
+        """
         name = context.message.name
-        guard = self._guards.declared(name)
-        if guard is not None:
-            return guard
+        declared = self._guards.declared(name)
         if context.fastmcp_context is None:
+            if declared is not None:
+                return declared, None
             return (
                 f"the tool {name!r} has no declared effect class and its annotations cannot be "
                 "read here: declare it in effects= of the twiceshy middleware. The call did not "
                 "run."
-            )
+            ), None
         tool = await context.fastmcp_context.fastmcp.get_tool(name)
         if tool is None:
-            return None
-        return self._guards.derived(name, effect_from_annotations(tool.annotations))
+            return declared, None
+        guard = declared or self._guards.derived(name, effect_from_annotations(tool.annotations))
+        return guard, tool.parameters
 
     def _honest(self, context: MiddlewareContext[CallToolRequestParams], exc: Exception) -> str:
         """The text the model reads for ``OutcomeUnknown`` / ``InProgress``."""
@@ -171,7 +177,7 @@ class TwiceshyMiddleware(Middleware):
     ) -> ToolResult:
         """Guard one tool call."""
         name, arguments = context.message.name, context.message.arguments or {}
-        guard = await self._guard_for(context)
+        guard, schema = await self._guard_for(context)
         if guard is None:
             return await call_next(context)  # FastMCP answers an unknown tool; nothing runs
         if isinstance(guard, str):
@@ -210,7 +216,8 @@ class TwiceshyMiddleware(Middleware):
                     (lambda: fallback(context)) if fallback is not None else None,
                     name,
                 )
-            value = await guard.acall(arguments, work, scope=scope, key=key)
+            intent = _with_defaults(arguments, schema)
+            value = await guard.acall(intent, work, scope=scope, key=key)
         except _NotRun as exc:
             raise exc.error from None  # FastMCP's own answer to a call it refused
         except _Interim as exc:
@@ -230,7 +237,15 @@ class TwiceshyMiddleware(Middleware):
                     # FastMCP's own error (masked as the server wants) for a failure twiceshy
                     # lets the caller retry: a KEYED tool out of attempts, a SAFE tool.
                     raise framework_error from exc
-            raise
+            if isinstance(exc, TwiceshyError):
+                raise  # the ledger failed: loudly, never as a tool result
+            # Not raised by this call's run: a definite failure replayed, or the error of a call
+            # joined in this process. FastMCP turns only its tool's own errors into an isError
+            # result (anything raised here would reach the client as an internal server
+            # error), so this answers as FastMCP answered the first call.
+            if self._masks(context):
+                raise ToolError(f"Error calling tool {name!r}") from exc
+            raise ToolError(f"Error calling tool {name!r}: {exc}") from exc
         for result, data in produced:
             if data is value:
                 return result

@@ -4,8 +4,12 @@
 
 Every POST/PUT/PATCH/DELETE sent inside a protected KEYED call carries a header derived from the
 call's key and the request's method, URL and body (see :mod:`twiceshy.integrations._http`): an
-SDK's retry of one request repeats it, two different requests differ. A header already set by the
-caller is left alone. Install with ``pip install 'twiceshy[httpx]'``.
+SDK's retry of one request repeats it, two different requests differ (a multipart body is hashed
+without its random boundary). A header already set by the caller is left alone; a request made
+outside a protected KEYED call is sent without one. The call is found through context variables:
+they reach asyncio tasks and ``asyncio.to_thread``, not a bare thread, a ``ThreadPoolExecutor`` or
+``run_in_executor`` (run the work in ``contextvars.copy_context()`` there). The body of a request
+that gets a header is read into memory first. Install with ``pip install 'twiceshy[httpx]'``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     client = openai.OpenAI(http_client=httpx2.Client(transport=IdempotencyKeyTransport()))
 
-The same transports as :mod:`twiceshy.integrations.httpx`, for the ``httpx2`` fork. Install with
-``pip install 'twiceshy[httpx2]'``.
+The same transports as :mod:`twiceshy.integrations.httpx`, for the ``httpx2`` fork, with the same
+rules (a request outside a protected KEYED call, or sent from a bare thread, gets no header).
+Install with ``pip install 'twiceshy[httpx2]'``.
 """
 
 from __future__ import annotations

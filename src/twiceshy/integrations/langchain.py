@@ -22,8 +22,9 @@ What it does with a tool call:
 - The intent is (scope, tool name, arguments): the arguments exactly as the model sent them
   (``tool_call["args"]``, with the schema's defaults filled in for omitted parameters), never the
   tool-call id, which changes every time the model calls again. What LangGraph injects
-  (``ToolRuntime``, ``InjectedState``, ``InjectedStore``) is added after this middleware and is no
-  part of it.
+  (``ToolRuntime``, ``InjectedState``, ``InjectedStore``, ``InjectedToolCallId``) is added after
+  this middleware and is no part of it; a value the model sends for such a parameter is left out
+  of the intent, as ``ToolNode`` drops it.
 - The scope is the LangGraph thread id (``config["configurable"]["thread_id"]``, else the
   runtime's ``execution_info.thread_id``), else an enclosing ``twiceshy.run(...)``; ``scope=``
   replaces that with a function of the request. A recorded tool called without any scope raises
@@ -34,10 +35,11 @@ What it does with a tool call:
 - ``OutcomeUnknown`` and ``InProgress`` come back as ``ToolMessage(status="error")`` carrying
   twiceshy's message for the model (it may have happened, it will not be run again, tell the
   user). They are not raised, so no retry layer outside runs the call again.
-- What the model saw the first time is recorded (the ``ToolMessage``'s content and status) and a
-  retry gets it again as a ``ToolMessage`` answering the *new* tool-call id. A tool that returns
-  a ``Command`` has that ``Command`` applied on its first run; a retry gets the content of the
-  ``ToolMessage`` inside it (the state update is not applied twice).
+- What the model saw the first time is recorded (the ``ToolMessage``'s content and status, and
+  its ``artifact`` when that has a JSON form) and a retry gets it again as a ``ToolMessage``
+  answering the *new* tool-call id. A tool that returns a ``Command`` has that ``Command``
+  applied on its first run; a retry gets the content of the ``ToolMessage`` inside it (the
+  state update is not applied twice).
 - An ``interrupt()`` inside a tool releases the intent: LangGraph runs the tool again from its
   start when the run resumes, and that run is the intent's. Another LangGraph signal raised
   inside a tool (a sub-agent handing off with a ``Command`` for the parent graph) is the tool's
@@ -177,14 +179,20 @@ class _Attempt:
                 raise self.signal
             if self.result is not None:
                 return self.result
+        artifact: object = None
         if isinstance(value, Mapping) and "content" in value:
             content = value["content"]
             status: _Status = "error" if value.get("status") == "error" else "success"
+            artifact = value.get("artifact")
         else:  # recorded by something other than this adapter under the same key
             content = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
             status = "success"
         return ToolMessage(
-            content=content, tool_call_id=self.call_id, name=self.tool, status=status
+            content=content,
+            tool_call_id=self.call_id,
+            name=self.tool,
+            status=status,
+            artifact=artifact,
         )
 
     def refused(self, exc: Exception) -> ToolMessage:
@@ -199,7 +207,10 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
 
     List it after ``ToolRetryMiddleware`` and ``ToolErrorMiddleware`` (first listed is
     outermost): their retries then meet the ledger, and a tool's exception reaches twiceshy
-    before anything turns it into text.
+    before anything turns it into text. For the same reason, give a plain ``ToolNode`` no
+    ``handle_tool_errors=True``: it turns the exception into an error ``ToolMessage`` inside
+    this middleware's handler, which is then recorded as the tool's answer (replayed, never
+    retried in place, without twiceshy's honest message).
 
     Args:
         ledger: where intents are claimed and outcomes kept.
@@ -367,6 +378,8 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
 
     A model may leave out an optional parameter once and send its default the next time: one
     intent (DESIGN.md §2). Defaults made by a factory are left out: they may differ every call.
+    A value the model sent for an injected parameter (``InjectedState``, ``InjectedToolCallId``,
+    ``ToolRuntime``...) is left out too: ``ToolNode`` replaces it, so it names nothing.
     """
     arguments = dict(request.tool_call.get("args") or {})
     tool = request.tool
@@ -375,6 +388,12 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
     schema = tool.tool_call_schema
     if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
         return arguments
+    # The parameters of the full input schema that the model's schema hides are the injected ones.
+    full = tool.get_input_schema()
+    hidden = set(full.model_fields) if issubclass(full, BaseModel) else set()
+    hidden -= set(schema.model_fields)
+    for name in hidden:
+        arguments.pop(name, None)
     for name, field in schema.model_fields.items():
         sent_as = field.alias or name
         if sent_as not in arguments and not field.is_required() and field.default_factory is None:
@@ -383,9 +402,21 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
 
 
 def _record_of(message: ToolMessage | None, tool: str) -> dict[str, Any]:
-    """What a retry should see: the answering message's content and status, or a note."""
+    """What a retry should see: the answering message's content, status and artifact, or a note.
+
+    An artifact with no JSON form (a document object, say) is left out rather than making the
+    whole outcome unstorable: the model never reads it, only the application does.
+    """
     if message is not None:
-        return {"content": message.content, "status": message.status}
+        record: dict[str, Any] = {"content": message.content, "status": message.status}
+        if message.artifact is not None:
+            try:
+                json.dumps(message.artifact, allow_nan=False)
+            except (TypeError, ValueError):
+                pass
+            else:
+                record["artifact"] = message.artifact
+        return record
     return {
         "content": (
             f"The tool {tool!r} already ran for these arguments and updated the graph's state; "

@@ -5,8 +5,10 @@
 That line adds a server middleware that hands every ``tools/call`` to a :class:`twiceshy.Guard`;
 every other request passes untouched. Install with ``pip install 'twiceshy[mcp]'``.
 
-- **Intent**: the tool's name and its ``arguments`` as the client sent them, in the run scope the
-  client names in the request's ``_meta`` under :data:`SCOPE_META_KEY` (``"dev.twiceshy/scope"``):
+- **Intent**: the tool's name and its ``arguments`` as the client sent them (with the input
+  schema's defaults filled in for omitted parameters, when the middleware knows the server), in
+  the run scope the client names in the request's ``_meta`` under :data:`SCOPE_META_KEY`
+  (``"dev.twiceshy/scope"``):
   ``await client.call_tool("charge_card", args, meta=twiceshy_meta(run_id))``. A client
   that derives its own key sends :data:`KEY_META_KEY` (``"dev.twiceshy/key"``) instead. Without
   either, the ``scope=`` callable of the middleware is asked; without that, the call does not run
@@ -205,6 +207,21 @@ def _identity(
     )
 
 
+def _with_defaults(arguments: Mapping[str, Any], schema: object) -> dict[str, Any]:
+    """``arguments`` with the input schema's defaults for the parameters the client left out.
+
+    A client may leave out an optional parameter once and send its default the next time: one
+    intent (DESIGN.md §2). Only the key uses these; the tool gets the arguments as sent.
+    """
+    filled = dict(arguments)
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    if isinstance(properties, Mapping):
+        for name, spec in properties.items():
+            if name not in filled and isinstance(spec, Mapping) and "default" in spec:
+                filled[name] = spec["default"]
+    return filled
+
+
 def _text_of(content: object) -> str:
     """The text blocks of a result's content, joined: what an error result says."""
     texts: list[str] = []
@@ -304,21 +321,27 @@ class TwiceshyMiddleware:
     def __repr__(self) -> str:
         return f"TwiceshyMiddleware(server={self._server.name if self._server else None!r})"
 
-    async def _guard_for(self, name: str) -> Guard | str | None:
-        """The tool's guard; ``None`` for a tool the server does not know; a refusal's text."""
-        guard = self._guards.declared(name)
-        if guard is not None:
-            return guard
+    async def _guard_for(self, name: str) -> tuple[Guard | str | None, object]:
+        """The tool's guard and its input schema (``None`` when unknown).
+
+        The guard is ``None`` for a tool the server does not know, or a refusal's text.
+        """
+        declared = self._guards.declared(name)
         if self._server is None:
+            if declared is not None:
+                return declared, None
             return (
                 f"the tool {name!r} has no declared effect class: declare it in effects= of the "
                 "twiceshy middleware, or give the middleware the server so that the tool's "
                 "annotations can decide. The call did not run."
-            )
+            ), None
         for tool in await self._server.list_tools():
             if tool.name == name:
-                return self._guards.derived(name, effect_from_annotations(tool.annotations))
-        return None
+                guard = declared or self._guards.derived(
+                    name, effect_from_annotations(tool.annotations)
+                )
+                return guard, tool.input_schema
+        return declared, None
 
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
@@ -333,7 +356,7 @@ class TwiceshyMiddleware:
             or not isinstance(arguments, Mapping)
         ):
             return await call_next(ctx)  # the SDK answers malformed requests itself
-        guard = await self._guard_for(name)
+        guard, schema = await self._guard_for(name)
         if guard is None or _refused(self._server, name, arguments):
             return await call_next(ctx)  # the server refuses it: the tool never runs
         if isinstance(guard, str):
@@ -359,7 +382,8 @@ class TwiceshyMiddleware:
                     (lambda: fallback(ctx)) if fallback is not None else None,
                     name,
                 )
-            value = await guard.acall(arguments, work, scope=scope, key=key)
+            intent = _with_defaults(arguments, schema)
+            value = await guard.acall(intent, work, scope=scope, key=key)
         except (_Interim, ToolFailed) as exc:
             if isinstance(exc.result, dict):
                 return exc.result

@@ -16,7 +16,8 @@ How a call is handled:
 - The scope is, in this order: an active ``twiceshy.run(...)``; else the ``scope=`` source (a
   field of the run context, or a function of the ``ToolContext``); else, when ``scope=`` is not
   given, ``RunConfig.group_id``. Nothing the SDK generates (trace ids, call ids) survives a
-  restart: the application supplies a stable id. No scope fails the run with ``MissingScope``.
+  restart: the application supplies a stable id. No scope fails the run with ``MissingScope``
+  before the tool runs (a SAFE tool, which keeps no record, needs none).
 - ``OutcomeUnknown`` and ``InProgress`` become the tool's output, their text written for the
   model (it never says "try again"); the tool's ``failure_error_function`` is not consulted.
   So do ``KeyReuseMismatch`` and ``UnkeyableArgument`` (nothing ran). A tool with a declared
@@ -233,7 +234,8 @@ def _invoker(
             arguments = _arguments(outer, raw_json_args)
         except ModelBehaviorError as exc:
             return await _failed(outer, ctx, exc, answers_failures)
-        run_scope = _scope(scope, ctx, guard.name)
+        # A SAFE tool keeps no record: it needs no key, so no scope either.
+        run_scope = _scope(scope, ctx, guard.name) if guard.recorded else None
 
         async def attempt() -> Any:
             try:

@@ -27,6 +27,9 @@ What it does with a tool call (``AbstractCapability.wrap_tool_execute``):
 - ``OutcomeUnknown`` and ``InProgress`` reach the model as ``ToolFailed``: a failed tool result
   with twiceshy's message (it may have happened, it will not be run again, tell the user), which
   asks for no retry and uses none of the tool's retry budget. Never as ``ModelRetry``.
+- A result is replayed as the tool function's annotated return type (a ``ToolReturn``, a
+  dataclass, a pydantic model...), so the model reads what the first call gave it; a
+  :class:`twiceshy.Guard` given in ``effects`` keeps its own ``returns=``.
 - How the ledger reads what the tool did: a result is recorded and replayed; ``ToolFailed`` is a
   certain failure, recorded and replayed; a deferral (``CallDeferred``, ``ApprovalRequired``,
   ``SkipToolExecution``) and a ``ModelRetry`` raised outside any ``except`` block (a refusal:
@@ -38,8 +41,10 @@ What it does with a tool call (``AbstractCapability.wrap_tool_execute``):
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -59,8 +64,9 @@ from pydantic_ai.exceptions import (
     UnexpectedModelBehavior,
     UserError,
 )
-from pydantic_ai.messages import ToolCallPart
+from pydantic_ai.messages import ToolCallPart, ToolReturnPart
 from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
+from pydantic_ai.toolsets.function import FunctionToolsetTool
 
 from twiceshy import (
     Effect,
@@ -75,6 +81,7 @@ from twiceshy import (
     UnkeyableArgument,
     current_scope,
 )
+from twiceshy._codec import ReturnOf
 
 __all__ = [
     "METADATA_KEY",
@@ -148,6 +155,10 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
     guards: Mapping[str, Guard]
     default: Effect | None
     scope: ScopeFunction[AgentDepsT] | None
+    _effects: Mapping[str, Effect] = field(repr=False, compare=False)
+    _typed: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[str, Effect], Guard]] = field(
+        repr=False, compare=False
+    )
 
     def __init__(
         self,
@@ -162,6 +173,7 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         if default is not None and not isinstance(default, Effect):
             raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
         guards: dict[str, Guard] = {}
+        classes: dict[str, Effect] = {}
         for name, effect in (effects or {}).items():
             if isinstance(effect, Guard):
                 if effect.name != name:
@@ -172,6 +184,7 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 guards[name] = effect
             elif isinstance(effect, Effect):
                 guards[name] = _guard(ledger, name, effect)
+                classes[name] = effect
             else:
                 raise TypeError(
                     f"the effect of the tool {name!r} must be twiceshy.SAFE, KEYED, UNSAFE or a "
@@ -181,6 +194,10 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         self.guards = MappingProxyType(guards)
         self.default = default
         self.scope = scope
+        self._effects = MappingProxyType(classes)
+        # Guards that rebuild replays as the tool's return type, by tool function; weak, so
+        # agents made and dropped per request do not pile up here.
+        self._typed = weakref.WeakKeyDictionary()
 
     @classmethod
     def get_serialization_name(cls) -> str | None:
@@ -213,7 +230,7 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 key), or the tool's own certain failure, replayed.
             EffectNotDeclared, MissingScope: before anything runs; they end the run.
         """
-        guard = self._guard_for(tool_def)
+        guard = self._guard_for(ctx, tool_def)
         arguments = _arguments(call, tool_def)
         scope = self._scope_for(ctx, guard) if guard.recorded else None
 
@@ -238,24 +255,36 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         except _ANSWERED as exc:
             raise ToolFailed(str(exc)) from exc
         # Raised outside the handler above, so the signal keeps its own context.
-        raise signal
+        raise _for_call(signal, call)
 
     # -- shared, no I/O --------------------------------------------------------------------
 
-    def _guard_for(self, tool_def: ToolDefinition) -> Guard:
+    def _guard_for(self, ctx: RunContext[AgentDepsT], tool_def: ToolDefinition) -> Guard:
         """The guard of the called tool: by name, else by its metadata, else the default."""
         name = tool_def.name
-        guard = self.guards.get(name)
-        if guard is not None:
-            return guard
-        effect = _declared(tool_def) or self.default
+        effect = self._effects.get(name)
+        if effect is None:
+            guard = self.guards.get(name)
+            if guard is not None:  # the application's own guard, with its own returns=
+                return guard
+            effect = _declared(tool_def) or self.default
         if effect is None:
             raise EffectNotDeclared(
                 f"the tool {name!r} has no declared effect class: add it to TwiceshyCapability's "
                 f"effects ({{{name!r}: twiceshy.SAFE | KEYED | UNSAFE}}), set metadata="
                 f"{{{METADATA_KEY!r}: 'keyed'}} on the tool, or give default=; it did not run"
             )
-        return _guard(self.ledger, name, effect)
+        function = _tool_function(ctx, name)
+        if function is None:  # not a Python function tool (MCP, external): replays as JSON
+            return self.guards.get(name) or _guard(self.ledger, name, effect)
+        try:
+            typed = self._typed.setdefault(function, {})
+        except TypeError:  # a callable that takes no weak reference: not kept
+            return _guard(self.ledger, name, effect, function)
+        guard = typed.get((name, effect))
+        if guard is None:
+            guard = typed[name, effect] = _guard(self.ledger, name, effect, function)
+        return guard
 
     def _scope_for(self, ctx: RunContext[AgentDepsT], guard: Guard) -> str:
         """The call's scope: ``scope(ctx)``, else ``twiceshy.run(...)``, else the run id."""
@@ -272,9 +301,46 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         return scope
 
 
-def _guard(ledger: Ledger, name: str, effect: Effect) -> Guard:
-    """A guard with the adapter's defaults: ``ToolFailed`` is a certain failure."""
-    return ledger.guard(name, effect=effect, definite=(ToolFailed,))
+def _guard(
+    ledger: Ledger, name: str, effect: Effect, function: Callable[..., Any] | None = None
+) -> Guard:
+    """A guard with the adapter's defaults: ``ToolFailed`` is a certain failure, and results
+    replay as ``function``'s return annotation (read when first needed)."""
+    returns = ReturnOf(function) if function is not None else None
+    return ledger.guard(name, effect=effect, definite=(ToolFailed,), returns=returns)
+
+
+def _tool_function(ctx: RunContext[Any], name: str) -> Callable[..., Any] | None:
+    """The Python function behind the called tool, or ``None`` when it is not a function tool.
+
+    Combining toolsets keep the tool they were given as ``source_tool``; renaming and prefixing
+    ones keep its ``call_func``, the bound ``call`` of the function's schema.
+    """
+    manager = ctx.tool_manager
+    tool: object = manager.tools.get(name) if manager is not None and manager.tools else None
+    while tool is not None and not isinstance(tool, FunctionToolsetTool):
+        tool = getattr(tool, "source_tool", None)
+    if tool is None:
+        return None
+    function = getattr(getattr(tool.call_func, "__self__", None), "function", None)
+    return function if callable(function) else None
+
+
+def _for_call(signal: Exception, call: ToolCallPart) -> Exception:
+    """The signal, answering ``call``: a duplicate that joined the first call's run gets that
+    call's failure or retry request under its own tool-call id (a provider refuses a request in
+    which a call has no result of its own)."""
+    part: ToolReturnPart | None = None
+    if isinstance(signal, ToolFailedError):
+        part = signal.tool_failed
+    elif isinstance(signal, ToolRetryError) and isinstance(signal.tool_retry, ToolReturnPart):
+        part = signal.tool_retry
+    if part is None or part.tool_call_id == call.tool_call_id:
+        return signal
+    own = dataclasses.replace(part, tool_call_id=call.tool_call_id)
+    answer = ToolFailedError(own) if isinstance(signal, ToolFailedError) else ToolRetryError(own)
+    answer.__cause__ = signal.__cause__
+    return answer
 
 
 def _declared(tool_def: ToolDefinition) -> Effect | None:
