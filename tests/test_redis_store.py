@@ -254,6 +254,70 @@ def test_url_options_are_taken_out_for_redis_py(url: str) -> None:
         RedisStore(url, prefix="a{b}")
 
 
+def test_an_unknown_url_parameter_is_refused_before_anything_runs(
+    url: str, prefix: str, admin: redis.Redis
+) -> None:
+    """A query parameter neither twiceshy nor redis-py knows: a ValueError naming it, at once."""
+    with pytest.raises(ValueError, match="bogus"):
+        twiceshy.Ledger(ledger_url(url, prefix, bogus="1"))
+    assert list(admin.scan_iter(match=f"{prefix}*")) == []
+
+
+@pytest.fixture
+def unix_socket(tmp_path: Path) -> Iterator[Path]:
+    """A Redis server of this test's own, listening on a Unix socket only; stopped afterwards."""
+    import shutil
+    import subprocess
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server needed to serve a Unix socket: not on PATH")
+    path = tmp_path / "redis.sock"
+    proc = subprocess.Popen(
+        [server, "--port", "0", "--unixsocket", str(path), "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert path.exists(), "redis-server did not open its socket"
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_unix_socket_url_names_a_ledger(unix_socket: Path) -> None:
+    """``unix:///path.sock`` opens a ledger, sync and async: a call runs once, its retry replays."""
+    ledger = twiceshy.Ledger(f"unix://{unix_socket}?prefix=t", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def charge(amount: int) -> int:
+        runs.append(amount)
+        return amount
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    async def refund(amount: int) -> int:
+        runs.append(-amount)
+        return -amount
+
+    async def refund_twice() -> list[int]:
+        with twiceshy.run("run-1"):
+            return [await refund(3), await refund(3)]
+
+    try:
+        with twiceshy.run("run-1"):
+            assert [charge(5), charge(5)] == [5, 5]
+        assert asyncio.run(refund_twice()) == [-3, -3]
+        assert runs == [5, -3]
+    finally:
+        ledger.close()
+
+
 def test_open_store_gives_a_redis_pair_under_the_prefix(url: str, prefix: str) -> None:
     """open_store on a redis:// URL gives both stores, keyed under the URL's prefix."""
     store, async_store = open_store(ledger_url(url, prefix))

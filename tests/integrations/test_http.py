@@ -281,3 +281,23 @@ def test_header_reaches_to_thread_and_copied_contexts_only(provider: tuple[Provi
     keys = [k for _, _, k in state.seen]
     assert keys[0] is not None
     assert keys == [keys[0], None, keys[0]]
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        tx.IdempotencyKeyTransport,
+        tx.AsyncIdempotencyKeyTransport,
+        tx2.IdempotencyKeyTransport,
+        tx2.AsyncIdempotencyKeyTransport,
+    ],
+)
+@pytest.mark.parametrize(
+    "settings", [{"methods": "POST"}, {"methods": [b"POST"]}, {"effects": twiceshy.KEYED}]
+)
+def test_settings_that_would_match_nothing_are_refused(
+    transport: Any, settings: dict[str, Any]
+) -> None:
+    """``methods="POST"`` (read letter by letter) or a lone effect raise TypeError at once."""
+    with pytest.raises(TypeError, match="must be a collection"):
+        transport(**settings)

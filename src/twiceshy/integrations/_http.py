@@ -56,6 +56,11 @@ class _Rule:
     __slots__ = ("effects", "header", "methods")
 
     def __init__(self, header: str, methods: Collection[str], effects: Collection[Effect]) -> None:
+        # A lone string is a collection too, of letters: methods="POST" would match no request.
+        if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+            raise TypeError(f"methods= must be a collection of method names, not {methods!r}")
+        if isinstance(effects, Effect) or not all(isinstance(e, Effect) for e in effects):
+            raise TypeError(f"effects= must be a collection of twiceshy effects, not {effects!r}")
         self.header = header
         self.methods = frozenset(m.upper() for m in methods)
         self.effects = frozenset(effects)

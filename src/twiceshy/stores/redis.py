@@ -872,16 +872,22 @@ class _Core:
         except (RedisError, OSError) as exc:
             self.pool.disconnect()
             raise _store_error(f"open {self.safe_url}", exc) from exc
+        except TypeError as exc:
+            # redis-py hands a query parameter it does not know to its connection class, which
+            # refuses it when the first connection is made.
+            self.pool.disconnect()
+            raise ValueError(f"Redis ledger URL {self.safe_url}: {exc}") from None
 
     def connection_options(self, retry: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
         options: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.socket_timeout,
-            "socket_keepalive": True,
             "health_check_interval": 0,
             # The store decides what is sent again after a lost connection: never redis-py.
             "retry": retry(NoBackoff(), 0),
         }
+        if not self.url.lower().startswith("unix:"):
+            options["socket_keepalive"] = True  # a TCP option: a Unix socket refuses it
         if self.client_name is not None:
             options["client_name"] = self.client_name
         return options
