@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -23,12 +25,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
 import servers
 import twiceshy
-from twiceshy.cli import main
+from twiceshy.cli import EXIT_BROKEN_PIPE, main
 from twiceshy.stores import open_store
 
 SCOPE = "run-1"
@@ -621,6 +624,79 @@ def test_password_is_not_printed() -> None:
     line = one_line_error(cli("postgresql://u:hunter2@[::1/test", "", "ls"), 2)
     assert "hunter2" not in line
     assert "***" in line
+
+
+# Every command that opens a ledger (reconcile's tools use a memory:// ledger of their own).
+LEDGER_COMMANDS = [
+    ["ls"],
+    ["show", "abc"],
+    ["resolve", "abc", "--released"],
+    ["gc"],
+    ["stats"],
+    ["reconcile", "reconcile_tools:tools"],
+]
+
+
+@pytest.mark.postgres
+def test_no_command_creates_a_postgres_ledger(pg: tuple[str, str]) -> None:
+    """A URL naming a schema with no ledger: exit 1, one line, and the schema is not created."""
+    url, schema = pg
+    for command in LEDGER_COMMANDS:
+        line = one_line_error(cli(f"{url}?schema={schema}", "", *command), 1)
+        assert line.startswith("Error: no twiceshy ledger at 127.0.0.1:5432/test: "), line
+        assert f'"{schema}"."records"' in line
+    with psycopg.connect(url) as conn:
+        found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        assert found.fetchone() is None
+
+
+def test_no_command_writes_into_another_applications_sqlite_file(tmp_path: Path) -> None:
+    """A URL naming another application's SQLite file: exit 1, one line, not a byte changed."""
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    finally:
+        conn.close()
+    before = path.read_bytes()
+    for command in LEDGER_COMMANDS:
+        line = one_line_error(cli(f"sqlite:///{path}", "", *command), 1)
+        assert line.startswith(f"Error: no twiceshy ledger at {str(path)!r}: the file holds no ")
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["app.db"]
+
+
+@pytest.mark.parametrize("command", [["ls"], ["ls", "--json"], ["stats"]], ids=" ".join)
+def test_a_reader_that_goes_away_ends_the_command_quietly(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """``twiceshy ls | head -1``: the console script ends with exit 141 and prints nothing."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    store, _ = open_store(url)
+    try:
+        for i in range(200):
+            store.claim(
+                "",
+                f"k{i:03}",
+                fingerprint="fp",
+                tool="charge",
+                effect=twiceshy.KEYED,
+                owner="o",
+                lease=600.0,
+            )
+    finally:
+        store.close()
+    script = shutil.which("twiceshy", path=os.path.dirname(sys.executable))
+    assert script is not None, "the twiceshy console script is not installed"
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    proc = subprocess.Popen(
+        [script, *command, "--ledger", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader goes away before the first line is written
+    _, err = proc.communicate(timeout=60)
+    assert err == b""
+    assert proc.returncode == EXIT_BROKEN_PIPE == 141
 
 
 def _script(*args: str) -> subprocess.CompletedProcess[str]:

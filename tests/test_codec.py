@@ -6,13 +6,25 @@ import dataclasses
 import datetime as dt
 import enum
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
 from decimal import Decimal
-from typing import Annotated, Any, NamedTuple, Optional
+from typing import (
+    Annotated,
+    Any,
+    Generic,
+    Literal,
+    NamedTuple,
+    NotRequired,
+    Optional,
+    TypedDict,
+    TypeVar,
+)
 
 import pydantic
 import pytest
 
+import twiceshy
 from twiceshy._codec import ResultCodec
 from twiceshy.errors import ResultNotStorable
 
@@ -139,3 +151,182 @@ def test_unstorable_results_are_refused() -> None:
         ResultCodec().encode(float("nan"))
     with pytest.raises(ResultNotStorable, match="bound of 8 bytes"):
         ResultCodec(max_bytes=8).encode("x" * 20)
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Box(Generic[T]):
+    """A generic dataclass: its field's type comes from the annotation's argument."""
+
+    item: T
+
+
+class Slot(NamedTuple, Generic[T]):
+    """A generic named tuple."""
+
+    item: T
+    n: int
+
+
+class Order(TypedDict):
+    """A TypedDict result whose fields need rebuilding."""
+
+    total: Decimal
+    when: dt.date
+    note: NotRequired[uuid.UUID]
+
+
+class Held(TypedDict, Generic[T]):
+    """A generic TypedDict."""
+
+    item: T
+
+
+class Aliased(pydantic.BaseModel):
+    """A pydantic model whose field goes by an alias (``from`` is a keyword)."""
+
+    from_: Decimal = pydantic.Field(alias="from")
+
+
+class Strict(pydantic.BaseModel):
+    """A pydantic model that forbids extra fields and has a computed one."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    n: int
+
+    @pydantic.computed_field  # type: ignore[prop-decorator]
+    @property
+    def double(self) -> int:
+        """Computed on dump; not an input."""
+        return self.n * 2
+
+
+class Checked(pydantic.BaseModel):
+    """A strict pydantic model: it refuses a Decimal's or a date's JSON text in Python mode."""
+
+    model_config = pydantic.ConfigDict(strict=True)
+    total: Decimal
+    when: dt.date
+
+
+class Rate(enum.Enum):
+    """An enum whose values JSON keeps as text or lists."""
+
+    LOW = Decimal("0.5")
+    RANGE = (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [
+        (Box[Decimal], Box(Decimal("1.5"))),
+        (Box[Line], Box(LINE)),
+        (Box[list[Decimal]], Box([Decimal("1.5")])),
+        (list[Box[uuid.UUID]], [Box(UID)]),
+        (Slot[Decimal], Slot(Decimal("2.5"), 1)),
+        (Order, Order(total=Decimal("1.5"), when=dt.date(2026, 1, 2), note=UID)),
+        (list[Order], [Order(total=Decimal("0"), when=dt.date(2026, 1, 2))]),
+        (Held[Decimal], Held(item=Decimal("3"))),
+        (Literal[Color.RED], Color.RED),
+        (list[Literal[Color.RED, "other"]], [Color.RED, "other"]),
+        (Aliased, Aliased.model_validate({"from": Decimal("1.5")})),
+        (Strict, Strict(n=2)),
+        (Checked, Checked(total=Decimal("1.5"), when=dt.date(2026, 1, 2))),
+        (Rate, Rate.LOW),
+        (Rate, Rate.RANGE),
+        (dict[Color, int], {Color.RED: 1}),
+        (dict[uuid.UUID, Decimal], {UID: Decimal("1.5")}),
+        (dict[dt.date, int], {dt.date(2026, 1, 2): 3}),
+        (dict[float, str], {1.5: "a"}),
+        (dict[bool, str], {True: "a", False: "b"}),
+        (Line, dataclasses.replace(LINE, when=dt.datetime(2026, 1, 2, 3, 4, tzinfo=dt.UTC))),
+        (bytearray, bytearray(b"\x00raw")),
+        (Collection[Decimal], [Decimal("1.5")]),
+        (Iterable[dt.date], [dt.date(2026, 1, 2)]),
+        (AbstractSet[uuid.UUID], {UID}),
+        (MutableMapping[str, Decimal], {"a": Decimal("2")}),
+    ],
+)
+def test_replay_rebuilds_generic_typed_dict_literal_and_keyed_results(
+    annotation: Any, value: Any
+) -> None:
+    """Generic classes, TypedDicts, Literals, aliased models and non-text keys replay equal."""
+    codec = ResultCodec(annotation)
+    again = codec.decode(codec.encode(value))
+    assert again == value
+    assert type(again) is type(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Positive:
+    """A dataclass that checks its value with an exception of its own."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise RuntimeError("negative")
+
+
+def test_a_stored_value_that_fails_to_rebuild_replays_as_stored() -> None:
+    """Whatever the annotated type raises while rebuilding, the stored JSON comes back."""
+    assert ResultCodec(Decimal).decode('"n/a"') == "n/a"
+    assert ResultCodec(Positive).decode('{"n": -1}') == {"n": -1}
+
+
+def test_a_result_the_annotation_cannot_rebuild_is_replayed_not_an_error() -> None:
+    """A tool annotated ``Decimal`` that returned other text replays that text to every retry."""
+    ledger = twiceshy.Ledger("memory://")
+    runs: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def price(sku: str) -> Decimal:
+        runs.append(sku)
+        return "n/a"  # type: ignore[return-value]
+
+    with twiceshy.run("codec-1"):
+        assert price("a") == "n/a"
+        assert price("a") == "n/a"
+    assert runs == ["a"]
+
+
+def test_keys_that_collide_as_text_are_refused() -> None:
+    """Two keys of one mapping that JSON would write as one text are refused, not merged."""
+    with pytest.raises(ResultNotStorable, match="collide"):
+        ResultCodec().encode({Color.RED: 1, "red": 2})
+
+
+def test_keys_without_a_json_text_are_refused() -> None:
+    """A mapping key with no text form (a tuple) is refused with ResultNotStorable."""
+    with pytest.raises(ResultNotStorable):
+        ResultCodec().encode({(1, 2): "a"})
+
+
+class Garbled(Exception):
+    """A provider's error whose message cannot be read (its ``__str__`` raises)."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")
+
+
+def test_a_definite_error_whose_message_cannot_be_read_is_still_recorded() -> None:
+    """The failure is recorded and replayed; the tool never runs again and no claim is left."""
+    ledger = twiceshy.Ledger("memory://")
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, definite=[Garbled])
+    def charge(amount: int) -> None:
+        runs.append(amount)
+        raise Garbled
+
+    with twiceshy.run("codec-2"):
+        with pytest.raises(Garbled):
+            charge(1)
+        with pytest.raises(Garbled) as replayed:
+            charge(1)
+    assert "message could not be read" in replayed.value.args[0]
+    assert runs == [1]
+    (record,) = ledger.store.records("")
+    assert record.state is twiceshy.State.FAILED

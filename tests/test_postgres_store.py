@@ -25,7 +25,7 @@ from psycopg import sql
 
 import twiceshy
 from twiceshy import Change, Effect, State
-from twiceshy.errors import StoreError, StoreUnavailable
+from twiceshy.errors import LedgerNotFound, StoreError, StoreUnavailable
 from twiceshy.stores import open_store
 from twiceshy.stores.postgres import (
     AsyncPostgresStore,
@@ -143,9 +143,9 @@ INSERT INTO {t} VALUES ('', 'k1', 'fp', 'charge', 'keyed', 'succeeded', 1, 'o', 
 """
 
 
-def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str]) -> None:
-    """Opening a version 1 table moves it to version 2: new listing index, counts, same records."""
-    url, schema = pg
+def _make_version_1(url: str, schema: str) -> dict[str, sql.Identifier]:
+    """A version 1 ledger, table ``ledger``, holding one succeeded record, in ``schema``; the
+    names of its schema, meta table and table."""
     names = {
         "schema": sql.Identifier(schema),
         "meta": sql.Identifier(schema, "ledger_meta"),
@@ -153,6 +153,13 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str
     }
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL(_VERSION_1).format(**names))
+    return names
+
+
+def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str]) -> None:
+    """Opening a version 1 table moves it to version 2: new listing index, counts, same records."""
+    url, schema = pg
+    names = _make_version_1(url, schema)
     store = PostgresStore(url, schema=schema, table="ledger")
     try:
         record = store.get("", "k1").record
@@ -174,6 +181,61 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str
     assert version == ("2",)
     assert indexes == {"ledger_pkey", "ledger_by_time", "ledger_by_expiry"}
     PostgresStore(url, schema=schema, table="ledger").close()  # opening it again changes nothing
+
+
+def tables(url: str, schema: str) -> set[str] | None:
+    """The tables of a schema; ``None`` when there is no such schema."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone():
+            rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))
+            return {row[0] for row in rows}
+    return None
+
+
+def test_create_false_refuses_a_missing_schema_and_creates_nothing(pg: tuple[str, str]) -> None:
+    """create=False where the schema does not exist raises LedgerNotFound, sync and async alike."""
+    url, schema = pg
+    with pytest.raises(LedgerNotFound, match=r"no twiceshy ledger at 127\.0\.0\.1:5432/test: "):
+        open_store(ledger_url(url, schema), create=False)
+
+    async def first_call() -> None:
+        store = AsyncPostgresStore(url, schema=schema, create=False)
+        try:
+            await store.get(NS, KEY)
+        finally:
+            await store.close()
+
+    with pytest.raises(LedgerNotFound, match=f'no table "{schema}"."records"'):
+        asyncio.run(first_call())
+    assert tables(url, schema) is None
+
+
+def test_create_false_leaves_a_schema_without_a_ledger_untouched(pg: tuple[str, str]) -> None:
+    """create=False on a schema of other tables raises LedgerNotFound and adds no table to it."""
+    url, schema = pg
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("CREATE TABLE {} (id int)").format(sql.Identifier(schema, "users")))
+    with pytest.raises(LedgerNotFound, match="no twiceshy ledger"):
+        PostgresStore(url, schema=schema, create=False)
+    assert tables(url, schema) == {"users"}
+
+
+def test_create_false_migrates_a_version_1_ledger(pg: tuple[str, str]) -> None:
+    """create=False migrates a version 1 ledger as every open does, and keeps its records."""
+    url, schema = pg
+    names = _make_version_1(url, schema)
+    store, _ = open_store(ledger_url(url, schema, table="ledger"), create=False)
+    try:
+        record = store.get("", "k1").record
+        assert record is not None
+        assert record.result == '{"id": "ch_1"}'
+    finally:
+        store.close()
+    assert tables(url, schema) == {"ledger", "ledger_meta", "ledger_counts"}
+    with psycopg.connect(url, autocommit=True) as conn:
+        version = conn.execute(sql.SQL("SELECT value FROM {meta}").format(**names)).fetchone()
+    assert version == ("2",)
 
 
 def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str]) -> None:

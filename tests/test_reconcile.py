@@ -7,6 +7,7 @@ them and settles the records of the ledger it is given, on SQLite, PostgreSQL an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -55,7 +56,10 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     elif kind == "postgres":
         base = servers.require("postgres")
         schema = f"twiceshy_rec_{secrets.token_hex(6)}"
-        yield _with_query(base, "schema", schema)
+        url = _with_query(base, "schema", schema)
+        store, _ = open_store(url)  # a ledger that exists, as the commands expect
+        store.close()
+        yield url
         servers.drop_schema(base, schema)
     else:
         base = servers.require("redis")
@@ -330,3 +334,82 @@ def test_stripe_like_custom_succeeded_and_result() -> None:
     assert reconcile("k", None) == twiceshy.Happened("ch_1")
     unpaid = stripe_like(_objects(k={**obj, "paid": False}), succeeded=lambda o: bool(o["paid"]))
     assert unpaid("k", None) == twiceshy.DidNotHappen()
+
+
+@pytest.mark.parametrize("status", ["requires_action", "requires_confirmation", "pending", None])
+def test_stripe_like_found_in_an_unsettled_or_unknown_state_is_never_did_not_happen(
+    status: str | None,
+) -> None:
+    """An object still under way, or in a state it does not know, is never "did not happen".
+
+    A PaymentIntent waiting for 3-D Secure may still be paid, a pending charge is being paid:
+    releasing either would run the tool again beside it.
+    """
+    obj = {"id": "py_1"} if status is None else {"id": "py_1", "status": status}
+    answer = stripe_like(_objects(k=obj))("k", None)
+    assert answer != twiceshy.DidNotHappen()
+    assert answer is None or answer == twiceshy.Happened(obj)
+
+
+def test_stripe_like_succeeded_may_answer_cannot_tell() -> None:
+    """A ``succeeded=`` that answers ``None`` leaves the doubt standing."""
+    reconcile = stripe_like(_objects(k={"id": "x"}), succeeded=lambda o: None)
+    assert reconcile("k", None) is None
+
+
+def test_stripe_like_with_an_async_lookup_settles_an_async_tool() -> None:
+    """An async ``find`` (an async provider client) reconciles an async tool's parked call."""
+    objects: dict[str, dict[str, Any]] = {}
+    runs: list[int] = []
+
+    async def find(key: str) -> Mapping[str, Any] | None:
+        await asyncio.sleep(0)
+        return objects.get(key)
+
+    ledger = twiceshy.Ledger("memory://")
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=stripe_like(find))
+    async def charge(amount: int) -> dict[str, Any]:
+        runs.append(amount)
+        key = twiceshy.current_key()
+        assert key is not None
+        objects[key] = {"id": "pi_1", "status": "succeeded", "amount": amount}
+        raise TimeoutError("the provider did not answer")
+
+    async def calls() -> tuple[Any, Any]:
+        with twiceshy.run(SCOPE):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                await charge(5)
+            return await charge(5), await charge(5)
+
+    first, second = asyncio.run(calls())
+    assert first == second == {"id": "pi_1", "status": "succeeded", "amount": 5}
+    assert runs == [5]
+
+
+def test_stripe_like_with_an_async_lookup_is_refused_for_a_sync_tool() -> None:
+    """A sync tool cannot await an async ``find``: refused when the tool is decorated."""
+
+    async def find(key: str) -> Mapping[str, Any] | None:
+        return None
+
+    ledger = twiceshy.Ledger("memory://")
+    with pytest.raises(TypeError, match="sync reconcile"):
+
+        @ledger.tool(effect=twiceshy.UNSAFE, reconcile=stripe_like(find))
+        def charge(amount: int) -> None:
+            pass
+
+
+def test_stripe_like_async_lookup_that_raises_cannot_tell(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An async lookup that raises is ``None``, and is logged."""
+
+    async def find(key: str) -> Mapping[str, Any] | None:
+        raise ConnectionError("down")
+
+    with caplog.at_level(logging.WARNING, logger="twiceshy"):
+        answer = asyncio.run(stripe_like(find, absent_means_not_applied=True)("k", None))
+    assert answer is None
+    assert "looking up key k" in caplog.text

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from twiceshy._records import Change, Effect, Snapshot, State
-from twiceshy.errors import StoreError, StoreUnavailable
+from twiceshy.errors import LedgerNotFound, StoreError, StoreUnavailable
 from twiceshy.stores import open_store
 from twiceshy.stores.sqlite import SQLiteStore, has_wal_reset_bug
 
@@ -456,6 +456,87 @@ def test_text_that_is_not_utf8_raises_store_error(db: Path) -> None:
             store.write(NS, KEY, change)
         assert isinstance(caught.value.__cause__, UnicodeEncodeError)
         assert store.get(NS, KEY).record == record
+    finally:
+        store.close()
+
+
+# -- opening without creating ---------------------------------------------------------------
+
+
+def test_create_false_refuses_a_missing_file_and_creates_nothing(db: Path) -> None:
+    """create=False on a path with no file raises LedgerNotFound; no file, no directory made."""
+    with pytest.raises(LedgerNotFound, match=r"no twiceshy ledger at .*: there is no such file"):
+        open_store(f"sqlite:///{db}", create=False)
+    assert not db.parent.exists()
+
+
+def _other_application(path: Path) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO users (name) VALUES ('ada')")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        pytest.param(_other_application, "holds no twiceshy tables", id="other-app"),
+        pytest.param(lambda path: path.write_bytes(b""), "holds no twiceshy tables", id="empty"),
+        pytest.param(
+            lambda path: path.write_bytes(b"not sqlite" * 500),
+            "is not an SQLite database",
+            id="not-a-database",
+        ),
+    ],
+)
+def test_create_false_leaves_a_file_without_a_ledger_untouched(
+    tmp_path: Path, make: Callable[[Path], object], why: str
+) -> None:
+    """create=False on a file that is no ledger raises LedgerNotFound and changes no byte of it."""
+    path = tmp_path / "app.db"
+    make(path)
+    before = path.read_bytes()
+    with pytest.raises(LedgerNotFound, match=f"no twiceshy ledger at .*app.db'.*: the file {why}"):
+        SQLiteStore(path, create=False)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no -wal, no -journal
+
+
+def test_create_false_opens_an_existing_ledger_as_before(db: Path) -> None:
+    """create=False opens a ledger that is there, and adds the call counts table older ones lack."""
+    SQLiteStore(db).close()
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("DROP TABLE twiceshy_counts")
+    finally:
+        conn.close()
+    store, _ = open_store(f"sqlite:///{db}", create=False)
+    try:
+        assert isinstance(store, SQLiteStore)
+        assert store.journal_mode == ("delete" if BUGGY else "wal")
+        assert _claim(store, "alice").won
+        store.add_counts(NS, {("charge", "executed"): 1})
+        assert store.counts(NS) == {("charge", "executed"): 1}
+    finally:
+        store.close()
+    again = SQLiteStore(db, create=False)
+    try:
+        assert again.get(NS, KEY).record is not None
+    finally:
+        again.close()
+
+
+def test_create_false_never_makes_the_file_again(db: Path) -> None:
+    """A create=False store whose file is deleted fails its next claim and makes no new file."""
+    SQLiteStore(db).close()
+    store = SQLiteStore(db, create=False)
+    try:
+        _remove_ledger_files(db)
+        with pytest.raises(LedgerNotFound, match="there is no such file"):
+            _claim(store, "alice")
+        assert list(db.parent.iterdir()) == []
     finally:
         store.close()
 

@@ -2,8 +2,15 @@
 
 A result is stored as JSON and replayed as an equal value: falsy results (``0``, ``""``, ``[]``,
 ``None``) replay as themselves, and a result whose type is the tool's annotated return type
-(dataclasses, pydantic models, ``datetime``, ``Decimal``, ``UUID``, containers of these) is rebuilt
-as that type.
+(dataclasses, named tuples, TypedDicts and pydantic models, generic ones included, enums,
+``Literal``, ``datetime``, ``Decimal``, ``UUID``, containers of these) is rebuilt as that type.
+A mapping's keys are kept as JSON's text; enums, UUIDs, dates, ``Decimal``, ``float`` and ``bool``
+keys come back as such where the annotation names them, and keys that would collide as text are
+refused.
+
+Stored data the annotation cannot rebuild (an operator's ``twiceshy resolve --succeeded``, a
+reconciler's result, a tool that returned another type) replays as the JSON it is, never as an
+error: an error there would answer every retry of the intent with it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import datetime as dt
 import enum
 import inspect
 import json
+import math
 import types
 import typing
 import uuid
@@ -48,7 +56,8 @@ def _to_json(value: Any) -> Any:
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     dump = getattr(value, "model_dump", None)
     if callable(dump) and hasattr(type(value), "model_fields"):
-        return dump(mode="json")
+        # round_trip: what the model validates back (no computed fields, Json[] fields as text).
+        return dump(mode="json", round_trip=True)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, dt.datetime | dt.date | dt.time):
@@ -100,7 +109,13 @@ class ResultCodec:
             ResultNotStorable: the value has no JSON form, or its text exceeds the bound.
         """
         try:
-            text = _ENCODE(value)
+            try:
+                text = _ENCODE(value)
+            except TypeError:
+                # Perhaps a mapping key json writes no text for (an enum, a UUID, a date): once
+                # more the slow way, with every key made its text first.
+                value = _with_text_keys(value)
+                text = _ENCODE(value)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ResultNotStorable(f"the tool's result cannot be stored as JSON: {exc}") from exc
         size = len(text)
@@ -124,7 +139,7 @@ class ResultCodec:
             return data
         try:
             return self._rebuild(data)
-        except (TypeError, ValueError, KeyError):
+        except Exception:  # e.g. decimal.InvalidOperation, a __post_init__'s own error
             return data
 
 
@@ -154,66 +169,164 @@ def _rebuilder(hint: Any) -> Rebuild | None:
         return None
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin is typing.Annotated:
+    if origin is typing.Annotated or origin in _FIELD_WRAPPERS:
         return _rebuilder(args[0])
+    if origin is typing.Literal:
+        return _literal_rebuilder(args)
     if origin is typing.Union or origin is types.UnionType:
         options = [a for a in args if a is not type(None)]
         inner = _rebuilder(options[0]) if len(options) == 1 else None
         return None if inner is None else _optional(inner)
     if origin is tuple or hint is tuple:
         return _tuple_rebuilder(args)
-    if origin in (set, frozenset):
-        return _collected(origin, _rebuilder(args[0]) if args else None)
-    if origin in (list, typing.Sequence, collections.abc.Sequence):
+    if origin in (set, frozenset, collections.abc.Set, collections.abc.MutableSet):
+        make = origin if origin in (set, frozenset) else set  # an abstract set: a set
+        return _collected(make, _rebuilder(args[0]) if args else None)
+    if origin in _LIST_LIKE:
         inner = _rebuilder(args[0]) if args else None
         return None if inner is None else _listed(inner)
-    if origin in (dict, typing.Mapping, collections.abc.Mapping):
+    if origin in (dict, collections.abc.Mapping, collections.abc.MutableMapping):
         key = _key_rebuilder(args[0]) if len(args) == 2 else None
         inner = _rebuilder(args[1]) if len(args) == 2 else None
         if key is not None:
             return _keyed(key, inner or _same)
         return None if inner is None else _valued(inner)
+    if isinstance(origin, type):
+        # A generic class given its arguments (Box[Decimal]): they stand for its type variables.
+        params = getattr(origin, "__parameters__", ())
+        return _class_rebuilder(origin, dict(zip(params, args, strict=False)))
     if not isinstance(hint, type):
         return None
-    if issubclass(hint, tuple) and hasattr(hint, "_fields"):  # a NamedTuple: JSON keeps a list
-        return _named_tuple_rebuilder(hint)
-    validate = getattr(hint, "model_validate", None)
-    if callable(validate) and hasattr(hint, "model_fields"):
-        return validate  # type: ignore[no-any-return]
-    if dataclasses.is_dataclass(hint):
-        return _dataclass_rebuilder(hint)
-    if issubclass(hint, enum.Enum):
-        return hint
-    if hint is float:
+    return _class_rebuilder(hint, {})
+
+
+_LIST_LIKE: Final = frozenset(
+    {
+        list,
+        collections.abc.Sequence,
+        collections.abc.MutableSequence,
+        collections.abc.Collection,
+        collections.abc.Iterable,
+    }
+)
+"""Annotations whose results JSON keeps as a list, and a replay rebuilds as one."""
+
+_FIELD_WRAPPERS: Final = frozenset(
+    w for w in (getattr(typing, n, None) for n in ("Required", "NotRequired", "ReadOnly")) if w
+)
+"""A TypedDict field's qualifiers, around the field's type."""
+
+
+def _class_rebuilder(cls: type, params: Mapping[Any, Any]) -> Rebuild | None:
+    """How to rebuild decoded JSON as an instance of ``cls``, its type variables bound to
+    ``params``."""
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # a NamedTuple: JSON keeps a list
+        return _named_tuple_rebuilder(cls, params)
+    validate = getattr(cls, "model_validate", None)
+    if callable(validate) and hasattr(cls, "model_fields"):
+        return _model_rebuilder(validate)
+    if dataclasses.is_dataclass(cls):
+        return _dataclass_rebuilder(cls, params)
+    if issubclass(cls, dict) and hasattr(cls, "__required_keys__"):  # a TypedDict
+        return _typed_dict_rebuilder(cls, params)
+    if issubclass(cls, enum.Enum):
+        return _enum_rebuilder(cls)
+    if cls is float:
         return lambda data: float(data) if type(data) is int else data
-    parse = _FROM_TEXT.get(hint)
+    parse = _FROM_TEXT.get(cls)
     if parse is not None:
         return lambda data: parse(data) if type(data) is str else data
     return None
 
 
+def _date_from_text(text: str) -> dt.date:
+    # A datetime is a date: a date-annotated tool may have returned one.
+    return dt.datetime.fromisoformat(text) if "T" in text else dt.date.fromisoformat(text)
+
+
+def _bytes_from_text(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
 _FROM_TEXT: dict[type, Rebuild] = {
     dt.datetime: dt.datetime.fromisoformat,
-    dt.date: dt.date.fromisoformat,
+    dt.date: _date_from_text,
     dt.time: dt.time.fromisoformat,
     Decimal: Decimal,
     uuid.UUID: uuid.UUID,
-    bytes: base64.b64decode,
+    bytes: _bytes_from_text,
+    bytearray: lambda text: bytearray(_bytes_from_text(text)),
 }
+
+
+def _key_text(key: Any) -> str:
+    """The text JSON keeps a mapping's key as: json's own for text, numbers, ``bool`` and
+    ``None``; an enum's value's; the JSON text of a UUID, date, ``Decimal`` or ``bytes``.
+
+    Raises:
+        TypeError: the key has no text form (a tuple).
+        ValueError: a float key that is not finite.
+    """
+    if isinstance(key, str):
+        return str.__str__(key)  # its text, even for a str-mixed enum with its own __str__
+    if key is None or isinstance(key, bool):
+        return _ENCODE(key)
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        if not math.isfinite(key):
+            raise ValueError(f"a mapping key {key!r} has no JSON form")
+        return float.__repr__(key)
+    if isinstance(key, enum.Enum):
+        return _key_text(key.value)
+    text = _to_json(key)
+    if not isinstance(text, str):
+        raise TypeError(f"a {type(key).__name__} cannot be a key of a stored mapping")
+    return text
+
+
+def _with_text_keys(value: Any) -> Any:
+    """``value`` as JSON's own types, every mapping's keys made their text (the slow path).
+
+    Raises:
+        TypeError: a part of it has no JSON form.
+        ValueError: two keys of one mapping collide as text (``Color.RED`` and ``"red"``).
+    """
+    if value is None or isinstance(value, str | int | float):
+        return value
+    if isinstance(value, list | tuple):
+        return [_with_text_keys(v) for v in value]
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            text = _key_text(key)
+            if text in out:
+                raise ValueError(f"two keys of a mapping collide as the text {text!r}")
+            out[text] = _with_text_keys(item)
+        return out
+    return _with_text_keys(_to_json(value))
 
 
 def _key_rebuilder(hint: Any) -> Rebuild | None:
     """How to rebuild a mapping's key, which JSON keeps as text; ``None`` for text keys.
 
-    Only keys JSON can store come back: ``int`` and enums whose members are ``str`` or ``int``
-    (other keys are refused when the result is stored).
+    Keys JSON keeps as text come back as ``int``, ``float``, ``bool``, enums, ``datetime``,
+    ``date``, ``time``, ``Decimal``, ``UUID`` and ``bytes`` (keys with no text form, such as
+    tuples, are refused when the result is stored).
     """
-    if hint is int:
-        return int
+    if hint is int or hint is float:
+        return hint
+    if hint is bool:
+        return {"true": True, "false": False}.__getitem__
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        by_text = {str(member.value): member for member in hint}
+        by_text = {}
+        for member in hint:
+            try:
+                by_text[_key_text(member.value)] = member
+            except (TypeError, ValueError):
+                continue  # a member that cannot be a stored key
         return lambda text: by_text.get(text, text)
-    return None
+    return _FROM_TEXT.get(hint)
 
 
 def _keyed(key: Rebuild, inner: Rebuild) -> Rebuild:
@@ -222,21 +335,105 @@ def _keyed(key: Rebuild, inner: Rebuild) -> Rebuild:
             return data
         try:
             return {key(k): inner(v) for k, v in data.items()}
-        except (TypeError, ValueError):
+        except Exception:
             return data
 
     return rebuild
 
 
-def _field_hints(cls: type) -> dict[str, Any]:
-    """A class's field annotations, resolved; none where they cannot be (replayed as stored)."""
+def _field_hints(cls: type, params: Mapping[Any, Any]) -> dict[str, Any]:
+    """A class's field annotations, resolved, its type variables bound to ``params``; none
+    where they cannot be resolved (replayed as stored)."""
     try:
-        return typing.get_type_hints(cls, include_extras=True)
+        hints = typing.get_type_hints(cls, include_extras=True)
     except Exception:
         return {}
+    return {name: _bound(hint, params) for name, hint in hints.items()} if params else hints
 
 
-def _named_tuple_rebuilder(cls: type) -> Rebuild:
+def _bound(hint: Any, params: Mapping[Any, Any]) -> Any:
+    """``hint`` with the type variables in it replaced by what ``params`` binds them to."""
+    if isinstance(hint, typing.TypeVar):
+        return params.get(hint, Any)
+    free = getattr(hint, "__parameters__", ())
+    if not free or isinstance(hint, type):
+        return hint
+    try:
+        return hint[tuple(params.get(p, Any) for p in free)]
+    except Exception:
+        return hint
+
+
+def _model_rebuilder(validate: Callable[..., Any]) -> Rebuild:
+    def rebuild(data: Any) -> Any:
+        try:
+            # As dumped: fields by name (aliased or not), values in their JSON form (which a
+            # strict model would refuse).
+            return validate(data, strict=False, by_name=True)
+        except TypeError:  # a pydantic before 2.11, without by_name
+            return validate(data, strict=False)
+
+    return rebuild
+
+
+def _enum_rebuilder(cls: type[enum.Enum]) -> Rebuild:
+    by_text: dict[str, enum.Enum] | None = None
+
+    def rebuild(data: Any) -> Any:
+        nonlocal by_text
+        try:
+            return cls(data)
+        except (TypeError, ValueError):
+            pass
+        # A value JSON keeps in another form (a Decimal as text, a tuple as a list).
+        if by_text is None:
+            by_text = _by_json_text(cls)
+        return by_text.get(_ENCODE(data), data)
+
+    return rebuild
+
+
+def _by_json_text(values: Any) -> dict[str, Any]:
+    """The values that have a JSON form, by its text."""
+    found: dict[str, Any] = {}
+    for value in values:
+        try:
+            found.setdefault(_ENCODE(value), value)
+        except (TypeError, ValueError, RecursionError):
+            continue
+    return found
+
+
+def _literal_rebuilder(args: tuple[Any, ...]) -> Rebuild | None:
+    """A ``Literal``'s values that JSON keeps in another form (enum members) come back."""
+    by_text = _by_json_text(a for a in args if type(a) not in (str, int, bool, type(None)))
+    if not by_text:
+        return None
+    return lambda data: by_text.get(_ENCODE(data), data)
+
+
+def _typed_dict_rebuilder(cls: type, params: Mapping[Any, Any]) -> Rebuild:
+    # As for dataclasses, the fields' annotations are read at first use.
+    parts: dict[str, Rebuild] | None = None
+
+    def rebuild(data: Any) -> Any:
+        nonlocal parts
+        if type(data) is not dict:
+            return data
+        if parts is None:
+            parts = {}
+            for name, hint in _field_hints(cls, params).items():
+                part = _rebuilder(hint)
+                if part is not None:
+                    parts[name] = part
+        if not parts:
+            return data
+        return {k: parts[k](v) if k in parts else v for k, v in data.items()}
+
+    return rebuild
+
+
+def _named_tuple_rebuilder(cls: type, params: Mapping[Any, Any]) -> Rebuild:
     # As for dataclasses, the fields' annotations are read at first use.
     parts: list[Rebuild] | None = None
 
@@ -245,7 +442,7 @@ def _named_tuple_rebuilder(cls: type) -> Rebuild:
         if type(data) is not list:
             return data
         if parts is None:
-            hints = _field_hints(cls)
+            hints = _field_hints(cls, params)
             parts = [_rebuilder(hints.get(name, Any)) or _same for name in cls._fields]  # type: ignore[attr-defined]
         if len(data) != len(parts):
             return data
@@ -313,7 +510,7 @@ def _same(data: Any) -> Any:
     return data
 
 
-def _dataclass_rebuilder(cls: type) -> Rebuild:
+def _dataclass_rebuilder(cls: type, params: Mapping[Any, Any]) -> Rebuild:
     # The fields' annotations may name types defined after the tool: read them at first use.
     fields: list[tuple[str, Rebuild | None]] | None = None
 
@@ -322,7 +519,7 @@ def _dataclass_rebuilder(cls: type) -> Rebuild:
         if type(data) is not dict:
             return data
         if fields is None:
-            hints = _field_hints(cls)
+            hints = _field_hints(cls, params)
             fields = [
                 (f.name, _rebuilder(hints.get(f.name, Any)))
                 for f in dataclasses.fields(cls)
@@ -346,11 +543,19 @@ def type_name(kind: type) -> str:
 def encode_error(exc: BaseException, listed: type[BaseException] | None = None) -> str:
     """The JSON text kept for a failed call: the error's type and message, and the ``definite=``
     type it was recorded as, when that is a base of its own."""
-    data = {"type": type_name(type(exc)), "message": str(exc)}
+    data = {"type": type_name(type(exc)), "message": _message(exc)}
     if listed is not None and listed is not type(exc):
         data["as"] = type_name(listed)
     # ASCII escapes keep any text storable, lone surrogates included.
     return json.dumps(data)
+
+
+def _message(exc: BaseException) -> str:
+    """An error's message; one whose ``__str__`` raises must still be recorded."""
+    try:
+        return str(exc)
+    except Exception as broken:
+        return f"(its message could not be read: {type(broken).__name__})"
 
 
 def decode_error(text: str | None) -> tuple[str, str, str]:

@@ -9,11 +9,15 @@ Every ledger command takes ``--ledger URL`` (or
 Exit codes:
     0: done.
     1: refused or not found: an unknown key, an ambiguous prefix, a record that may not be
-       resolved, a resolve that lost a race.
+       resolved, a resolve that lost a race, a ledger URL naming a file or schema that holds no
+       twiceshy ledger.
     2: usage: a bad option, a bad ledger URL (click's own usage errors included).
     3: the ledger cannot be reached or used.
+    141: the reader of the output went away (``twiceshy ls | head -1``): the command stops
+       quietly, as a Unix tool killed by ``SIGPIPE`` does (128 + 13).
 
-Every error is one line on stderr; no traceback.
+Every error is one line on stderr; no traceback. The ledger commands never create a ledger:
+they open the store with ``create=False``.
 """
 
 from __future__ import annotations
@@ -48,10 +52,10 @@ import twiceshy
 from ._codec import ResultCodec
 from ._protocol import TRANSITIONS, Actor
 from ._records import Change, Outcome, Record, State
-from .errors import ResultNotStorable, StoreError
+from .errors import LedgerNotFound, ResultNotStorable, StoreError
 from .stores import CallCounts, Store, default_url, open_store
 
-__all__ = ["EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
 
 EXIT_REFUSED: Final = 1
 """Refused or not found: an unknown key, an ambiguous prefix, a refused resolve, a lost race."""
@@ -59,6 +63,8 @@ EXIT_USAGE: Final = 2
 """Usage: a bad option or a bad ledger URL (click uses 2 for its own usage errors)."""
 EXIT_UNAVAILABLE: Final = 3
 """The ledger cannot be reached or used."""
+EXIT_BROKEN_PIPE: Final = 128 + 13
+"""The output's reader went away: what a shell reports for a tool killed by SIGPIPE (13)."""
 
 RESOLVE_ERROR_TYPE: Final = "twiceshy.resolve"
 """The error type recorded by ``resolve --failed`` (replayed as ``ReplayedError``)."""
@@ -213,17 +219,20 @@ def _scrubbed(message: str, url: str) -> str:
     return message.replace(password, "***") if password else message
 
 
-def _open_store(url: str) -> Store:
-    """Open the store ``url`` names; a bad URL or an unreachable store becomes a
-    :class:`CommandError` (exit 2 or 3)."""
+def _open_store(url: str, *, create: bool = False) -> Store:
+    """Open the store ``url`` names; a bad URL, no ledger there, or an unreachable store
+    becomes a :class:`CommandError` (exit 2, 1 or 3)."""
     shown = _redacted(url)
     try:
-        store, _ = open_store(url)
+        store, _ = open_store(url, create=create)
     except (ValueError, TypeError) as exc:
         # A driver refuses parameters it does not know with a TypeError (redis-py's from_url).
         raise BadUsage(f"bad ledger URL {shown}: {_scrubbed(str(exc), url)}") from exc
     except ImportError as exc:
         raise LedgerUnavailable(f"cannot open the ledger {shown}: {exc}") from exc
+    except LedgerNotFound as exc:
+        # Nothing was created: an operator's typo must not become a new, empty ledger.
+        raise CommandError(f"{_scrubbed(str(exc), url)} ({shown})") from exc
     except StoreError as exc:
         message = _scrubbed(str(exc), url)
         raise LedgerUnavailable(f"cannot open the ledger {shown}: {message}") from exc
@@ -370,7 +379,34 @@ def _state_text(record: Record, now: float) -> Text:
 # -- the commands -------------------------------------------------------------------------------
 
 
-@click.group()
+class _Console(Console):
+    """rich's console, leaving a closed pipe to :class:`_Commands` (rich itself exits 1)."""
+
+    def on_broken_pipe(self) -> None:
+        # Called inside rich's ``except BrokenPipeError``: raise that error on.
+        self.quiet = True
+        raise
+
+
+class _Commands(click.Group):
+    """The command group, ending quietly when the output's reader goes away."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            answer = super().invoke(ctx)
+            # Written out here, where a closed pipe can still be caught, not at exit.
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # Python's recipe (the signal module's note on SIGPIPE): stdout goes to devnull
+            # so the interpreter's last flush cannot fail again and print a traceback.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            raise click.exceptions.Exit(EXIT_BROKEN_PIPE) from None
+        return answer
+
+
+@click.group(cls=_Commands)
 @click.version_option(twiceshy.__version__, prog_name="twiceshy")
 def main() -> None:
     """twiceshy: side-effecting tool calls of AI agents, safe to retry.
@@ -401,10 +437,11 @@ def demo(ledger_url: str | None) -> None:
     from ._demo import run_demo  # the demo's provider double is for this command only
 
     if ledger_url is not None:
-        # Refuse a bad or unreachable ledger as every command does (exit 2 or 3), before the acts.
-        _open_store(ledger_url).close()
+        # Refuse a bad or unreachable ledger as every command does (exit 2 or 3), before the acts;
+        # the demo may make a new ledger.
+        _open_store(ledger_url, create=True).close()
     try:
-        result = run_demo(ledger_url, console=Console())
+        result = run_demo(ledger_url, console=_Console())
     except (ValueError, twiceshy.StoreError) as exc:
         which = _redacted(ledger_url) if ledger_url is not None else "(temporary)"
         message = _scrubbed(str(exc), ledger_url) if ledger_url is not None else str(exc)
@@ -480,7 +517,7 @@ def ls(
             Text(str(r.attempts)),
             Text(str(r.fence)),
         )
-    console = Console(highlight=False)
+    console = _Console(highlight=False)
     console.print(table)
     plural = "" if len(found) == 1 else "s"
     console.print(Text(f"{len(found)} record{plural} in namespace {namespace!r}"), soft_wrap=True)
@@ -526,7 +563,7 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
     row("created", _when(record.created_at, now))
     row("updated", _when(record.updated_at, now))
     row("expires", _when(record.expires_at, now) if record.expires_at is not None else "never")
-    console = Console(highlight=False)
+    console = _Console(highlight=False)
     console.print(grid)
     if record.result is not None:
         console.print(Text("result", style="bold"))
@@ -751,7 +788,7 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     table.add_column("records", footer=str(len(found)), justify="right")
     for t, c in sorted(by_tool.items()):
         table.add_row(Text(t), *(str(c[s]) for s in State), str(sum(c.values())))
-    console = Console(highlight=False)
+    console = _Console(highlight=False)
     console.print(Text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
     console.print(table)
     if duplicates is None:
@@ -958,7 +995,7 @@ def reconcile(
         if errors:
             cells.append(Text(r["error"] or ""))
         table.add_row(*cells)
-    console = Console(highlight=False)
+    console = _Console(highlight=False)
     console.print(table)
     what = "would ask about" if dry_run else "asked about"
     console.print(

@@ -17,6 +17,7 @@
     ├── FencedOut                           a newer attempt owns the key
     └── StoreError                          the ledger misbehaved
         ├── StoreUnavailable (ConnectionError)  the ledger cannot be reached
+        ├── LedgerNotFound                  opened not to create one, there is no ledger there
         └── OutcomeNotRecorded              the tool ran; the ledger failed to record how it ended
 
 ``OutcomeUnknown`` and ``InProgress`` carry a message written for the model that called the tool:
@@ -29,6 +30,7 @@ __all__ = [
     "FencedOut",
     "InProgress",
     "KeyReuseMismatch",
+    "LedgerNotFound",
     "MissingScope",
     "NotApplied",
     "OutcomeNotRecorded",
@@ -151,6 +153,14 @@ class StoreError(TwiceshyError):
 
 class StoreUnavailable(StoreError, ConnectionError):
     """The ledger's store cannot be reached."""
+
+
+class LedgerNotFound(StoreError):
+    """Opened with ``create=False`` (as the ``twiceshy`` commands open it), the location holds
+    no twiceshy ledger; nothing was written there.
+
+    The message names the place looked at: ``no twiceshy ledger at <where>: <why>``.
+    """
 
 
 class OutcomeNotRecorded(StoreError):

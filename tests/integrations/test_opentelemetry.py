@@ -380,6 +380,33 @@ def test_calls_are_counted_by_outcome(telemetry: Telemetry) -> None:
     assert sum(e.outcome is Outcome.REPLAYED for e in events) == 2
 
 
+class Garbled(Exception):
+    """A provider's error whose message cannot be read (its ``__str__`` raises)."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")
+
+
+def test_an_error_whose_message_cannot_be_read_is_still_traced_and_counted(
+    telemetry: Telemetry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The span gets status ERROR and the call its count, whatever the error's ``__str__`` does."""
+    ledger, _ = telemetry.ledger()
+
+    @ledger.tool(effect=twiceshy.KEYED, definite=[Garbled])
+    def charge(amount: int) -> None:
+        raise Garbled
+
+    with twiceshy.run("otel-10"), pytest.raises(Garbled):
+        charge(1)
+    (span,) = telemetry.spans()
+    assert span.status.status_code is StatusCode.ERROR
+    assert dict(span.attributes or {})["error.type"].endswith("Garbled")
+    (point,) = telemetry.points("twiceshy.calls")
+    assert point.value == 1
+    assert "an observer failed" not in caplog.text
+
+
 def test_importing_the_integration_leaves_opentelemetry_alone() -> None:
     """``twiceshy.integrations.opentelemetry`` does not shadow the ``opentelemetry`` package."""
     assert otel.__name__ == "twiceshy.integrations.opentelemetry"

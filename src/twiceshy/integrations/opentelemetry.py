@@ -53,6 +53,16 @@ def _error_type(error: BaseException) -> str:
     )
 
 
+def _description(error: BaseException) -> str:
+    """The span status's description: the type and message (a message that cannot be read,
+    whose ``__str__`` raises, left out: the call is still recorded)."""
+    try:
+        message = str(error)
+    except Exception:
+        message = ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
 class TwiceshyTelemetry:
     """A ledger observer that turns each protected call into a span and two metric points.
 
@@ -139,11 +149,12 @@ class TwiceshyTelemetry:
             span.set_attributes(attributes)
             end = time.time_ns()
         if event.error is not None:
-            # Escaped: the caller got it, the span's operation did not handle it.
-            span.record_exception(event.error, timestamp=end, escaped=True)
-            span.set_status(
-                trace.Status(trace.StatusCode.ERROR, f"{type(event.error).__name__}: {event.error}")
-            )
+            span.set_status(trace.Status(trace.StatusCode.ERROR, _description(event.error)))
+            try:
+                # Escaped: the caller got it, the span's operation did not handle it.
+                span.record_exception(event.error, timestamp=end, escaped=True)
+            except Exception:  # the SDK reads the message, whose __str__ raised
+                span.add_event("exception", {"exception.type": labels["error.type"]}, timestamp=end)
         if opened:
             span.end(end_time=end)
         self._calls.add(1, labels)

@@ -18,6 +18,13 @@ The contract, in short:
   cannot be reached), chained from the driver's own error; a store never answers "no record" for a
   record it could not read.
 
+Opened with ``create=False`` (:func:`open_store`, ``SQLiteStore``, ``PostgresStore``), a store
+never creates a ledger: where the location holds none (no file, a file or schema without
+twiceshy's tables) it raises :class:`LedgerNotFound` before writing anything. A ledger that is
+there opens exactly as with ``create=True``, brought up to date as every open does (PostgreSQL's
+version 1 migrated to 2, a missing call counts table added). Redis creates nothing on open, and
+a ``memory://`` ledger is always new.
+
 A store may also keep call counts (:class:`CallCounts`): how many calls of each tool were
 answered which way, summed over every process that shares the ledger. Every store of twiceshy's
 does; a ledger whose store does not simply keeps its counts to itself.
@@ -32,8 +39,16 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from .._records import Change, Effect, Record, Snapshot, State
+from ..errors import LedgerNotFound
 
-__all__ = ["AsyncStore", "CallCounts", "Store", "ThreadedAsyncStore", "open_store"]
+__all__ = [
+    "AsyncStore",
+    "CallCounts",
+    "LedgerNotFound",
+    "Store",
+    "ThreadedAsyncStore",
+    "open_store",
+]
 
 
 @runtime_checkable
@@ -214,7 +229,7 @@ class ThreadedAsyncStore:
         self.store.close()
 
 
-def open_store(url: str) -> tuple[Store, AsyncStore]:
+def open_store(url: str, *, create: bool = True) -> tuple[Store, AsyncStore]:
     """Open the store a URL names.
 
     ``memory://``, ``sqlite:///path/ledger.db``, ``postgresql://user@host/db`` (the
@@ -222,6 +237,9 @@ def open_store(url: str) -> tuple[Store, AsyncStore]:
 
     Args:
         url: the ledger URL.
+        create: make the ledger (the SQLite file, the PostgreSQL schema and tables) where
+            there is none; ``False`` to open only a ledger that exists (for tools that
+            inspect one, such as the command line). Redis and memory create nothing on open.
 
     Returns:
         The blocking store and its async twin.
@@ -230,6 +248,7 @@ def open_store(url: str) -> tuple[Store, AsyncStore]:
         ValueError: the URL names no store twiceshy knows.
         ImportError: the store's extra is not installed.
         StoreUnavailable: the store cannot be reached.
+        LedgerNotFound: with ``create=False``, there is no ledger at the URL.
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -241,14 +260,14 @@ def open_store(url: str) -> tuple[Store, AsyncStore]:
     if scheme == "sqlite":
         from .sqlite import SQLiteStore
 
-        sqlite = SQLiteStore.from_url(url)
+        sqlite = SQLiteStore.from_url(url, create=create)
         return sqlite, ThreadedAsyncStore(sqlite)
     if scheme in ("postgresql", "postgres"):
         try:
             from .postgres import open_postgres
         except ImportError as exc:
             raise _missing_extra("postgres", exc) from exc
-        return open_postgres(url)
+        return open_postgres(url, create=create)
     if scheme in ("redis", "rediss", "unix"):
         try:
             from .redis import open_redis

@@ -61,6 +61,9 @@ Connections:
 
 The table (``twiceshy.records`` by default, with ``records_meta`` beside it) is created on first
 use, serialized between processes by an advisory lock; its schema version is checked on open.
+With ``create=False`` nothing is created: where the schema holds no such tables the store raises
+:class:`~twiceshy.LedgerNotFound` having only read the catalogs; a ledger that is there
+is checked, and migrated from version 1, as on every open.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ from .._records import (
     guard_holds,
     is_live,
 )
-from ..errors import StoreError, StoreUnavailable
+from ..errors import LedgerNotFound, StoreError, StoreUnavailable
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "open_postgres"]
 
@@ -139,9 +142,11 @@ _NOW: Final = (
     "extract(epoch FROM clock_timestamp())::float8) AS now)"
 )
 
+# Whether the ledger is there (its meta and records tables), and whether it is complete (the
+# counts table, which ledgers made before it lack): a read of the catalogs only.
 _EXISTS: Final = (
-    "SELECT to_regclass(%(meta)s) IS NOT NULL AND to_regclass(%(t)s) IS NOT NULL"
-    " AND to_regclass(%(counts)s) IS NOT NULL"
+    "SELECT to_regclass(%(meta)s) IS NOT NULL AND to_regclass(%(t)s) IS NOT NULL,"
+    " to_regclass(%(counts)s) IS NOT NULL"
 )
 
 # One transaction, serialized between processes by the advisory lock: concurrent
@@ -575,14 +580,20 @@ def _retrying(make: Callable[[], _Step]) -> Generator[_Step, _Rows, _Rows]:
         return (yield make())
 
 
-def _schema_op(st: _Statements) -> _Op[None]:
+def _schema_op(st: _Statements, where: str, *, create: bool) -> _Op[None]:
     # The probe connection is configured as the pooled ones are.
     yield _Step(st.configure, rows=False)
     names = st.names
     rows = yield _Step(
         st.exists, {"meta": names["meta"], "t": names["t"], "counts": names["counts"]}
     )
-    if not rows[0][0]:
+    there, complete = rows[0]
+    if not there and not create:
+        raise LedgerNotFound(
+            f"no twiceshy ledger at {where}: there is no table {names['t']} with its "
+            f"{names['meta']} (a schema or table name mistyped?)"
+        )
+    if not (there and complete):
         yield _Step(st.create, rows=False)
     rows = yield _Step(st.version)
     found = rows[0][0] if rows else None
@@ -1017,9 +1028,12 @@ class PostgresStore:
         application_name: the ``application_name`` of every connection of this store, unless
             ``url`` names its own.
         wait_recheck: how often a waiter reads the record again even without a notification.
+        create: create the schema and tables where there are none; ``False`` to open only a
+            ledger that exists (a version 1 ledger is still migrated, as on every open).
 
     Raises:
         StoreUnavailable: the server cannot be reached.
+        LedgerNotFound: with ``create=False``, the schema holds no such ledger.
         StoreError: the table is not a twiceshy ledger this version can use.
         ValueError: a setting is out of range.
     """
@@ -1036,6 +1050,7 @@ class PostgresStore:
         connect_timeout: float = 5.0,
         application_name: str = "twiceshy",
         wait_recheck: float = 1.0,
+        create: bool = True,
     ) -> None:
         self._settings = _Settings.make(
             url,
@@ -1059,8 +1074,9 @@ class PostgresStore:
             raise StoreUnavailable(
                 f"PostgreSQL ledger at {self._settings.where} cannot be reached: {exc}"
             ) from exc
+        schema_op = _schema_op(self._st, self._settings.where, create=create)
         with probe:
-            _run_sync(_schema_op(self._st), lambda step: _execute_sync(probe, step), _no_heal)
+            _run_sync(schema_op, lambda step: _execute_sync(probe, step), _no_heal)
         self._pid = os.getpid()
         self._pool = self._new_pool()
         self._listener = _Listener(self._settings, self._st.listen)
@@ -1387,6 +1403,7 @@ class AsyncPostgresStore:
         connect_timeout: float = 5.0,
         application_name: str = "twiceshy",
         wait_recheck: float = 1.0,
+        create: bool = True,
     ) -> None:
         self._settings = _Settings.make(
             url,
@@ -1401,6 +1418,7 @@ class AsyncPostgresStore:
         self._st = _Statements.build(schema, table)
         self._now = _clock_fn(clock)
         self._closed = False
+        self._create = create
         self._schema_ready = False
         # Not a WeakKeyDictionary: a state holds its loop through its tasks and locks, so its
         # entry would never go. States of closed loops are dropped when a new loop comes.
@@ -1466,9 +1484,8 @@ class AsyncPostgresStore:
         if not self._schema_ready:
             conn = await self._connect()
             async with conn:
-                await _run_async(
-                    _schema_op(self._st), lambda step: _execute_async(conn, step), _no_aheal
-                )
+                schema_op = _schema_op(self._st, self._settings.where, create=self._create)
+                await _run_async(schema_op, lambda step: _execute_async(conn, step), _no_aheal)
             self._schema_ready = True
         # On a timeout psycopg closes the pool.
         await state.pool.open(wait=True, timeout=self._settings.connect_timeout)
@@ -1680,23 +1697,28 @@ def _split_url(url: str) -> tuple[str, dict[str, Any]]:
     return (f"{base}?{'&'.join(kept)}" if kept else base), options
 
 
-def open_postgres(url: str) -> tuple[PostgresStore, AsyncPostgresStore]:
+def open_postgres(url: str, *, create: bool = True) -> tuple[PostgresStore, AsyncPostgresStore]:
     """Open the stores a ``postgresql://`` (or ``postgres://``) URL names.
 
     Besides psycopg's own parameters the URL may carry ``schema``, ``table``, ``min_size``,
     ``max_size``, ``connect_timeout``, ``application_name`` and ``wait_recheck``, e.g.
     ``postgresql://app@db.internal/agents?schema=ledger&table=records``.
 
+    Args:
+        url: the ledger URL.
+        create: see :class:`PostgresStore`.
+
     Returns:
         The blocking store (connected, its table checked) and its async twin.
 
     Raises:
         StoreUnavailable: the server cannot be reached.
+        LedgerNotFound: with ``create=False``, the schema holds no such ledger.
         StoreError: the table is not a twiceshy ledger this version can use.
         ValueError: a parameter is malformed.
     """
     conninfo, options = _split_url(url)
-    store = PostgresStore(conninfo, **options)
-    twin = AsyncPostgresStore(conninfo, **options)
+    store = PostgresStore(conninfo, create=create, **options)
+    twin = AsyncPostgresStore(conninfo, create=create, **options)
     twin._schema_ready = True  # the blocking store has just checked the table
     return store, twin

@@ -40,6 +40,14 @@ A file replaced or deleted under the store:
     the one its connections opened; when they differ it logs a warning, drops its connections
     to the old file, and opens the file now at the path (creating a ledger there if there is
     none), as every new process does.
+
+Opening without creating:
+    With ``create=False`` no connection creates the file (they open it with ``mode=rw``), and
+    before anything is written, the journal mode included, the file is read to find
+    twiceshy's tables: a missing file, a file of another application, or one that is no
+    database raises :class:`~twiceshy.LedgerNotFound`, as does a write once the file is
+    deleted or replaced by one that is no ledger. A ledger that is there opens as it always
+    does (a missing call counts table is added).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -66,7 +75,7 @@ from .._records import (
     is_live,
     new_claim,
 )
-from ..errors import StoreError, StoreUnavailable
+from ..errors import LedgerNotFound, StoreError, StoreUnavailable
 
 __all__ = ["SQLiteStore"]
 
@@ -138,6 +147,12 @@ _SCHEMA: Final = (
 )
 
 _SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
+
+# Whether a file holds a twiceshy ledger (create=False): a plain read of the schema.
+_COUNT_LEDGER_TABLES: Final = """
+    SELECT count(*) FROM sqlite_master
+    WHERE type = 'table' AND name IN ('twiceshy_meta', 'twiceshy_records')
+"""
 
 # A real (if idempotent) write: it makes a read-only file fail at construction, not at a claim.
 _TOUCH_SCHEMA_VERSION: Final = (
@@ -240,6 +255,7 @@ _MIN_VERSION: Final = (3, 35, 0)  # INSERT ... ON CONFLICT DO UPDATE ... RETURNI
 _IDLE_CONNECTIONS: Final = 4
 _SQLITE_BUSY: Final = 5
 _SQLITE_LOCKED: Final = 6
+_SQLITE_NOTADB: Final = 26
 _POLL_FIRST: Final = 0.001
 _POLL_CAP: Final = 0.025
 
@@ -427,6 +443,8 @@ class SQLiteStore:
             WAL-reset bug; ``"wal"``, ``"delete"``, ``"truncate"``, ``"persist"`` force a mode.
         busy_timeout: how long to wait for another writer before failing with
             :class:`~twiceshy.StoreUnavailable`.
+        create: make the file and its tables where there are none; ``False`` to open only a
+            ledger that exists, writing nothing (not even the directory) where there is none.
 
     Attributes:
         path: the database file.
@@ -435,6 +453,7 @@ class SQLiteStore:
 
     Raises:
         StoreUnavailable: the file cannot be opened, created or written.
+        LedgerNotFound: with ``create=False``, the path holds no twiceshy ledger.
         StoreError: the file is not a twiceshy ledger this version can use.
         ValueError: a setting is not one of those above.
     """
@@ -447,6 +466,7 @@ class SQLiteStore:
         synchronous: str = "FULL",
         journal_mode: str | None = None,
         busy_timeout: float | timedelta = 30.0,
+        create: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         if self.path in ("", ":memory:") or self.path.startswith("file:"):
@@ -484,19 +504,25 @@ class SQLiteStore:
         self._version = 0
         # Opened by this name whatever the working directory later is.
         self._where = os.path.abspath(self.path)
+        self._create = create
+        # What connections open: without create, a URI whose mode=rw never creates the file.
+        self._target = self._where if create else Path(self._where).as_uri() + "?mode=rw"
         # The file the store's connections open; see _check_file().
         self._file: _FileId | None = None
         self._reopening = threading.Lock()
 
-        parent = os.path.dirname(self._where)
-        try:
-            os.makedirs(parent, exist_ok=True)
-        except OSError as exc:
-            raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
+        if create:
+            parent = os.path.dirname(self._where)
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as exc:
+                raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
         self._open_file()
 
     @classmethod
-    def from_url(cls, url: str, *, clock: Callable[[], float] = time.time) -> SQLiteStore:
+    def from_url(
+        cls, url: str, *, clock: Callable[[], float] = time.time, create: bool = True
+    ) -> SQLiteStore:
         """Open the store a ``sqlite://`` URL names.
 
         ``sqlite:///relative/ledger.db`` is relative to the working directory and
@@ -507,10 +533,12 @@ class SQLiteStore:
         Args:
             url: the ledger URL.
             clock: the store's clock.
+            create: see :class:`SQLiteStore`.
 
         Raises:
             ValueError: the URL is not a ``sqlite:///path`` URL, or has unknown parameters.
             StoreUnavailable: the file cannot be opened or created.
+            LedgerNotFound: with ``create=False``, the path holds no twiceshy ledger.
         """
         parts = urlsplit(url)
         if parts.scheme.lower() != "sqlite":
@@ -528,7 +556,7 @@ class SQLiteStore:
             if len(values) != 1:
                 raise ValueError(f"SQLite ledger URL repeats {name!r}: {url!r}")
             params[name] = values[0]
-        return cls(path, clock=clock, **_url_settings(params, url))
+        return cls(path, clock=clock, create=create, **_url_settings(params, url))
 
     def __repr__(self) -> str:
         return (
@@ -541,7 +569,8 @@ class SQLiteStore:
     def _connect(self) -> _Connection:
         try:
             conn = sqlite3.connect(
-                self._where,
+                self._target,
+                uri=not self._create,
                 timeout=self._busy_timeout,
                 isolation_level=None,
                 check_same_thread=False,
@@ -576,6 +605,8 @@ class SQLiteStore:
 
     def _open_file(self) -> None:
         """Open the file at the path, make its tables, and lend from it from now on."""
+        if not self._create:
+            self._find_ledger()
         conn = self._connect()
         try:
             self._create_schema(conn)
@@ -586,6 +617,29 @@ class SQLiteStore:
         # Connections to a file that was there before are closed, idle or when given back.
         _drain(self._pool())
         self._give_back(conn)
+
+    def _find_ledger(self) -> None:
+        """Raise :class:`LedgerNotFound` unless the file at the path holds twiceshy's tables.
+
+        Only reads: it runs before a connection sets the journal mode, which is a write.
+        """
+        missing = f"no twiceshy ledger at {self._where!r}"
+        if self._file_at_path() is None:
+            raise LedgerNotFound(f"{missing}: there is no such file")
+        try:
+            conn = sqlite3.connect(
+                self._target, uri=True, timeout=self._busy_timeout, isolation_level=None
+            )
+            try:
+                found = conn.execute(_COUNT_LEDGER_TABLES).fetchone()[0]
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_NOTADB:
+                raise LedgerNotFound(f"{missing}: the file is not an SQLite database") from exc
+            raise _store_error(exc) from exc
+        if found != 2:
+            raise LedgerNotFound(f"{missing}: the file holds no twiceshy tables")
 
     def _check_file(self) -> None:
         """Follow the path to a new file if the one the connections opened was replaced."""
