@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from typing import Any
@@ -384,3 +385,34 @@ def test_a_blocking_duplicate_on_the_leaders_event_loop_does_not_stop_it() -> No
             return await leader
 
     assert asyncio.run(main()) == "done"
+
+
+class Garbled(Exception):
+    """An error whose message cannot be read (its ``__str__`` raises)."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")
+
+
+@pytest.mark.parametrize("effect", [twiceshy.UNSAFE, twiceshy.KEYED])
+def test_an_error_whose_message_cannot_be_read_is_recorded_as_unknown(
+    effect: twiceshy.Effect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller gets the honest answer, not the message's own error; nothing stays claimed."""
+    caplog.set_level(logging.DEBUG, logger="twiceshy")  # every call's log line is written
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=effect, attempts=1)
+    def wire(amount: int) -> None:
+        runs.append(amount)
+        raise Garbled
+
+    expected = twiceshy.OutcomeUnknown if effect is twiceshy.UNSAFE else Garbled
+    with twiceshy.run("run-garbled"), pytest.raises(expected):
+        wire(1)
+    records = ledger.store.records("")
+    assert [r.state for r in records] == [twiceshy.State.UNKNOWN]
+    assert "message could not be read" in (records[0].reason or "")
+    assert "Garbled" in caplog.text
+    assert runs == [1]

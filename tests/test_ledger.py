@@ -942,6 +942,109 @@ def test_settle_reconciles_a_parked_record_outside_any_call(ledger: twiceshy.Led
     assert guard.settle("no-such-key") is None
 
 
+def test_asettle_reconciles_a_parked_record_from_async_code(ledger: twiceshy.Ledger) -> None:
+    """Inside a running loop, settle() with an async reconciler says to use asettle, which works."""
+    found: dict[str, twiceshy.Happened | None] = {"answer": None}
+
+    async def look_up(key: str, args: object) -> twiceshy.Happened | None:
+        return found["answer"]
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=look_up)
+    async def wire(amount: int) -> dict[str, str]:
+        raise TimeoutError
+
+    guard = wire.twiceshy  # type: ignore[attr-defined]
+    key = twiceshy.idempotency_key("run-33", "wire", {"amount": 3})
+
+    async def main() -> twiceshy.Record | None:
+        with twiceshy.run("run-33"), pytest.raises(twiceshy.OutcomeUnknown):
+            await wire(3)
+        found["answer"] = twiceshy.Happened({"id": "w_1"})
+        with pytest.raises(RuntimeError, match="asettle"):
+            guard.settle(key)
+        return await guard.asettle(key)
+
+    record = asyncio.run(main())
+    assert record is not None
+    assert record.state is twiceshy.State.SUCCEEDED
+    assert record.result == '{"id":"w_1"}'
+
+
+def test_a_blocking_reconciler_of_an_async_tool_does_not_stop_the_event_loop() -> None:
+    """A blocking reconciler of an async tool runs in a worker thread: other tasks go on."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    loop_threads: list[bool] = []
+
+    def look_up(key: str, args: object) -> twiceshy.DidNotHappen:
+        loop_threads.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.3)  # a slow provider
+        return twiceshy.DidNotHappen()
+
+    calls = {"n": 0}
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=look_up)
+    async def wire(amount: int) -> str:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TimeoutError
+        return "sent"
+
+    async def main() -> tuple[str, int]:
+        with twiceshy.run("run-34"):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                await wire(3)
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            answer = await wire(3)  # reconciled (did not happen), released, run again
+            ticker.cancel()
+            return answer, ticks
+
+    answer, ticks = asyncio.run(main())
+    assert answer == "sent"
+    assert loop_threads == [False]
+    assert ticks >= 10  # the loop ran other tasks while the reconciler looked
+
+
+def test_a_reconciler_answer_of_no_known_kind_is_logged_and_read_as_cannot_tell(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reconciler that answers, say, the provider's dict leaves the doubt, and says why."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=lambda key, args: {"status": "succeeded"})
+    def wire(amount: int) -> str:
+        raise TimeoutError
+
+    with twiceshy.run("run-35"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            wire(3)
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            wire(3)
+    assert "not Happened(...), DidNotHappen() or None" in caplog.text
+
+
+def test_an_object_with_an_async_call_is_refused_as_reconciler_of_a_sync_tool() -> None:
+    """Refused when the tool is decorated, not on every call."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+
+    class LookUp:
+        async def __call__(self, key: str, args: object) -> None:
+            return None
+
+    with pytest.raises(TypeError, match="sync reconcile"):
+
+        @ledger.tool(effect=twiceshy.UNSAFE, reconcile=LookUp())
+        def wire(amount: int) -> str:
+            return "sent"
+
+
 def test_with_errors_extends_a_guard(ledger: twiceshy.Ledger) -> None:
     """with_errors adds definite and not-applied types to a guard; the original is unchanged."""
 
@@ -1092,6 +1195,113 @@ def test_an_unsafe_owner_past_its_trusted_lease_still_runs_once() -> None:
     assert answers == ["stalled"]
     with twiceshy.run("run-trust-3"):
         assert other(1) == "stalled"  # the late owner's outcome is the intent's
+
+
+def test_a_stalled_unsafe_owner_whose_intent_a_reconciler_released_does_not_run() -> None:
+    """With a reconciler, someone else may run an UNSAFE tool: a stalled owner renews first.
+
+    The caller that found the lapsed lease marked it UNKNOWN, asked the reconciler (nothing
+    happened, as was true then), and ran the tool itself; the stalled owner then replays it.
+    """
+    store = StallingClaims()
+    runs: list[str] = []
+
+    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
+        @ledger.tool(
+            effect=twiceshy.UNSAFE,
+            name="wire",
+            lease=0.2,
+            reconcile=lambda key, args: twiceshy.DidNotHappen(),
+        )
+        def wire(amount: int) -> str:
+            runs.append(who)
+            return who
+
+        return wire
+
+    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
+    other = tool_of(twiceshy.Ledger(store=store), "other")
+    answers: list[str] = []
+
+    def call_stalled() -> None:
+        with twiceshy.run("run-trust-4"):
+            answers.append(stalled(1))
+
+    store.stall = 0.6
+    thread = threading.Thread(target=call_stalled)
+    thread.start()
+    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
+    with twiceshy.run("run-trust-4"):
+        assert other(1) == "other"
+    thread.join(10)
+    assert runs == ["other"]  # it ran beside the other caller's run before the fix
+    assert answers == ["other"]
+
+
+@pytest.mark.parametrize("ending", ["returns", "fails for certain", "times out"])
+def test_an_owner_whose_record_is_released_under_it_records_its_outcome_and_never_runs_again(
+    ending: str,
+) -> None:
+    """Released while its run finishes (a lapse marked UNKNOWN, then a reconciler), the owner
+    claims the intent back and writes what its run did: an UNSAFE tool runs once per call."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    class Declined(Exception):
+        """A certain failure of the provider."""
+
+    @ledger.tool(
+        effect=twiceshy.UNSAFE,
+        definite=(Declined,),
+        reconcile=lambda key, args: twiceshy.DidNotHappen(),
+    )
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        if len(runs) == 1:
+            key = twiceshy.current_key()
+            # What a duplicate does once this owner's lease lapsed (a long pause) ...
+            lapse = twiceshy.Change(
+                fence=1,
+                from_states=frozenset({twiceshy.State.CLAIMED}),
+                to=twiceshy.State.UNKNOWN,
+                reason="lease lapsed",
+            )
+            assert ledger.store.write("", key, lapse).won
+            # ... and what a reconciler then answers, before this run's effect is visible.
+            assert charge.twiceshy.settle(key).state is twiceshy.State.RELEASED  # type: ignore[attr-defined]
+        if ending == "fails for certain":
+            raise Declined("card declined")
+        if ending == "times out":
+            raise TimeoutError("read timed out")
+        return "ch_1"
+
+    expected: Any = {
+        "returns": None,
+        "fails for certain": Declined,
+        "times out": twiceshy.OutcomeUnknown,
+    }[ending]
+    with twiceshy.run("run-released"):
+        if expected is None:
+            assert charge(5) == "ch_1"
+        else:
+            with pytest.raises(expected):
+                charge(5)
+    assert runs == [5]
+    key = twiceshy.idempotency_key("run-released", "charge", {"amount": 5})
+    record = ledger.store.get("", key).record
+    assert record is not None
+    assert (
+        record.state
+        is {
+            "returns": twiceshy.State.SUCCEEDED,
+            "fails for certain": twiceshy.State.FAILED,
+            "times out": twiceshy.State.UNKNOWN,
+        }[ending]
+    )
+    if ending == "returns":
+        with twiceshy.run("run-released"):
+            assert charge(5) == "ch_1"  # replayed
+        assert runs == [5]
 
 
 def test_an_owner_within_its_trusted_lease_runs_without_renewing() -> None:

@@ -37,6 +37,8 @@ from ._protocol import (
     CallPlan,
     Claim,
     Command,
+    DidNotHappen,
+    Happened,
     Note,
     Now,
     Policy,
@@ -48,6 +50,7 @@ from ._protocol import (
     Wait,
     Write,
     abandoned,
+    describe,
     exponential_backoff,
     protect,
     retry_only,
@@ -162,7 +165,7 @@ def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
 
 async def _awaited(answer: Awaitable[Any], key: str) -> Any:
     try:
-        return await answer
+        return _answer(await answer, key)
     except Exception:
         log.warning("twiceshy: reconcile of key %s failed", key, exc_info=True)
         return None
@@ -195,10 +198,35 @@ def _for_joiners(error: BaseException) -> BaseException:
 def _reconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any] | None) -> Any:
     """Ask a reconciler; a reconciler that fails cannot tell, and the doubt stands."""
     try:
-        return reconcile(key, arguments)
+        return _answer(reconcile(key, arguments), key)
     except Exception:
         log.warning("twiceshy: reconcile of key %s failed", key, exc_info=True)
         return None
+
+
+def _answer(answer: Any, key: str) -> Any:
+    """A reconciler's answer; one that is none of the three it may give is said in the log."""
+    if answer is None or isinstance(answer, Happened | DidNotHappen) or inspect.isawaitable(answer):
+        return answer
+    log.warning(
+        "twiceshy: the reconciler of key %s answered %r, which is not Happened(...), "
+        "DidNotHappen() or None: taken as None (it cannot tell)",
+        key,
+        answer,
+    )
+    return None
+
+
+async def _areconciled(reconcile: Reconciler, key: str, arguments: Mapping[str, Any] | None) -> Any:
+    """Ask a reconciler from async code: awaited if async, in a worker thread if blocking (it
+    looks at a provider: it must not stop the event loop meanwhile)."""
+    if _is_async(reconcile):
+        answer = _reconciled(reconcile, key, arguments)
+    else:
+        answer = await asyncio.to_thread(_reconciled, reconcile, key, arguments)
+    if inspect.isawaitable(answer):
+        return await _awaited(answer, key)
+    return answer
 
 
 class Guard:
@@ -346,11 +374,34 @@ class Guard:
             return record
         answer = _reconciled(self._reconcile, key, None)
         if inspect.isawaitable(answer):
+            if _loop_running():
+                close = getattr(answer, "close", None)
+                if callable(close):
+                    close()
+                raise RuntimeError(
+                    f"the reconciler of {self.name!r} is async and an event loop is running "
+                    "here: use await guard.asettle(key)"
+                )
             answer = asyncio.run(_awaited(answer, key))
         change = settle(self.policy, record, answer)
         if change is None:
             return record
         return store.write(ns, key, change).record
+
+    async def asettle(self, key: str) -> Record | None:
+        """:meth:`settle` from async code: the reconciler is awaited if it is async, and run
+        in a worker thread if it blocks; the ledger is used through its async store."""
+        if self._reconcile is None:
+            raise ValueError(f"the tool {self.name!r} has no reconcile= function")
+        store, ns = self._ledger.async_store, self._ledger.namespace
+        record = (await store.get(ns, key)).record
+        if record is None or record.state is not State.UNKNOWN or record.tool != self.name:
+            return record
+        answer = await _areconciled(self._reconcile, key, None)
+        change = settle(self.policy, record, answer)
+        if change is None:
+            return record
+        return (await store.write(ns, key, change)).record
 
     # -- shared, no I/O --------------------------------------------------------------------
 
@@ -620,13 +671,7 @@ class Guard:
                     answer = seen.interrupted = exc
             elif kind is Reconcile and plan is not None:
                 assert self._reconcile is not None
-                answer = _reconciled(self._reconcile, plan.key, bound.arguments)
-                if inspect.isawaitable(answer):
-                    try:
-                        answer = await answer
-                    except Exception:
-                        log.warning("twiceshy: reconcile of key %s failed", plan.key, exc_info=True)
-                        answer = None
+                answer = await _areconciled(self._reconcile, plan.key, bound.arguments)
             else:  # pragma: no cover - the protocol yields nothing else
                 raise AssertionError(command)
 
@@ -704,6 +749,14 @@ class _ReturnedAwaitable(NotApplied, TypeError):
             "protected as a blocking tool; protect the async function itself (an async def, or "
             "a wrapper that is one)"
         )
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -852,7 +905,7 @@ class Ledger:
                 event.key,
                 event.effect.value,
                 event.duration * 1000,
-                f" error={type(error).__name__}: {error}" if error is not None else "",
+                f" error={describe(error)}" if error is not None else "",
                 extra={
                     "twiceshy_tool": event.tool,
                     "twiceshy_key": event.key,
@@ -1024,7 +1077,7 @@ class Ledger:
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
             is_async = _is_async(fn)
-            if reconcile is not None and not is_async and inspect.iscoroutinefunction(reconcile):
+            if reconcile is not None and not is_async and _is_async(reconcile):
                 raise TypeError("a sync tool needs a sync reconcile= function")
             try:
                 returns = inspect.get_annotations(fn, eval_str=True).get("return")

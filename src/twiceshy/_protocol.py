@@ -48,6 +48,7 @@ __all__ = [
     "Wait",
     "Write",
     "exponential_backoff",
+    "describe",
     "protect",
     "renewal",
     "retry_only",
@@ -298,8 +299,30 @@ def _listed(
     return next((kind for kind in kinds if isinstance(error, kind)), None)
 
 
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+def describe(error: BaseException) -> str:
+    """``Type: message`` of an error, for records and logs; safe for any error."""
+    try:
+        text = str(error)
+    except Exception:  # an error whose message cannot be read must still be recorded
+        text = "(its message could not be read)"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """The outcome of this call's own run, whose write the record refused.
+
+    The record moved under the owner (a reconciler or an operator released it, or it was
+    removed): should this call come to own the intent again, it records this outcome instead of
+    running the work a second time.
+    """
+
+    to: State  # SUCCEEDED, FAILED or UNKNOWN
+    value: object = None  # returned when it stands (SUCCEEDED)
+    raised: BaseException | None = None  # raised when it stands (FAILED, UNKNOWN)
+    result: str | None = None
+    error: str | None = None
+    reason: str | None = None
 
 
 def settle(policy: Policy, record: Record, answer: object) -> Change | None:
@@ -335,6 +358,7 @@ def protect(plan: CallPlan, recalled: Snapshot | None = None) -> Protocol:
         sent, snap = -math.inf, recalled  # never won: it makes nobody the owner
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
+    kept: _Kept | None = None  # this call's own outcome, refused by the record once
     rounds = 0  # rounds that are not waits: the waits are bounded by the call's wait=
     while rounds < MAX_STEPS:
         rounds += 1
@@ -344,8 +368,16 @@ def protect(plan: CallPlan, recalled: Snapshot | None = None) -> Protocol:
             sent, snap = yield from _timed(Claim())
             continue
         if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
+            if kept is not None:
+                # The work already ran in this call: its outcome is recorded, never run again.
+                snap = yield Write(_record_kept(plan, record, kept))
+                if not snap.won:
+                    continue
+                if kept.raised is not None:
+                    raise kept.raised
+                return kept.value
             remaining = (record.lease_deadline or snap.now) - snap.now
-            done, value, snap = yield from _own(plan, record, sent + LEASE_TRUST * remaining)
+            done, value, snap, kept = yield from _own(plan, record, sent + LEASE_TRUST * remaining)
             if done:
                 return value
             continue
@@ -419,6 +451,21 @@ def protect(plan: CallPlan, recalled: Snapshot | None = None) -> Protocol:
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
 
 
+def _record_kept(plan: CallPlan, record: Record, kept: _Kept) -> Change:
+    """The owner's write of the outcome its earlier run had, under the fence it owns now."""
+    ttl = plan.policy.ttl if kept.to is not State.UNKNOWN else None
+    return _change(
+        Actor.OWNER,
+        record,
+        kept.to,
+        owner=plan.owner,
+        result=kept.result,
+        error=kept.error,
+        reason=kept.reason,
+        ttl=ttl,
+    )
+
+
 def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snapshot]]:
     """Send a command that may make this call the owner: when it was sent, and its answer.
 
@@ -439,29 +486,33 @@ def _doubt(plan: CallPlan, record: Record, reason: str, error: BaseException) ->
 
 def _own(
     plan: CallPlan, record: Record, trusted_until: float
-) -> Generator[Command, Any, tuple[bool, Any, Snapshot]]:
+) -> Generator[Command, Any, tuple[bool, Any, Snapshot, _Kept | None]]:
     """Run the work as the owner of ``record.fence``; record its outcome.
 
-    ``trusted_until`` is when this owner stops trusting its lease (monotonic). A SAFE or KEYED
-    owner past it renews the lease before the work starts, so that it never runs beside a caller
-    that took the lapsed lease over; an UNSAFE one runs anyway, since nobody else ever runs it.
+    ``trusted_until`` is when this owner stops trusting its lease (monotonic). An owner past it
+    renews the lease before the work starts, so that it never runs beside a caller that took the
+    lapsed lease over, or after a reconciler released the intent, its lapse marked UNKNOWN. An
+    UNSAFE tool without a reconciler runs anyway: nobody else ever runs it.
 
-    Returns ``(True, value, snap)`` when this call's own outcome stands, or ``(False, None, snap)``
-    when a write was fenced out: the caller then follows the record's real outcome in ``snap``.
+    Returns ``(True, value, snap, None)`` when this call's own outcome stands, or
+    ``(False, None, snap, kept)`` when a write was refused: the caller then follows the record's
+    real outcome in ``snap``, and ``kept`` is the outcome of this call's run when one must never
+    run again (an UNSAFE tool's; any settled one), else ``None``.
     """
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
-    # An UNSAFE owner past its trust runs anyway: its heartbeat renews the lease at once then,
-    # before a duplicate can find it lapsed and call a running call's outcome unknown.
+    # An UNSAFE owner without a reconciler, past its trust, runs anyway: its heartbeat renews
+    # the lease at once then, before a duplicate can find it lapsed and call a running call's
+    # outcome unknown.
     renew_by = trusted_until
-    if plan.policy.effect is not Effect.UNSAFE:
+    if plan.policy.effect is not Effect.UNSAFE or plan.policy.reconcile:
         now = yield Now()
         if now >= trusted_until:
             snap = yield Write(
                 _change(Actor.OWNER, record, _C, owner=plan.owner, lease=plan.policy.lease)
             )
             if not snap.won:
-                return False, None, snap
+                return False, None, snap, None
             assert snap.record is not None
             record = snap.record
             renew_by = math.inf  # a lease just renewed: the heartbeat's own beat will do
@@ -475,7 +526,7 @@ def _own(
             # call is answered at once (KEYED: run again with the key; UNSAFE: OutcomeUnknown)
             # rather than after the lease; then the interruption goes on, whatever the write.
             yield Write(
-                _doubt(plan, record, f"interrupted by {_describe(error)} before it finished", error)
+                _doubt(plan, record, f"interrupted by {describe(error)} before it finished", error)
             )
             raise error
         if error is None:
@@ -496,7 +547,9 @@ def _own(
                         ttl=plan.policy.ttl,
                     )
                 )
-                return (True, ran.value, snap) if snap.won else (False, None, snap)
+                if snap.won:
+                    return True, ran.value, snap, None
+                return False, None, snap, _Kept(_S, value=ran.value, result=text)
         else:
             kind = _classify(plan.policy, error)
         if kind is _Kind.NOT_APPLIED:
@@ -505,8 +558,9 @@ def _own(
             )
             if snap.won:
                 raise error
-            return False, None, snap
+            return False, None, snap, None  # nothing happened: it may run again
         if kind is _Kind.DEFINITE:
+            text = encode_error(error, _listed(plan.policy.definite, error))
             snap = yield Write(
                 _change(
                     Actor.OWNER,
@@ -514,33 +568,29 @@ def _own(
                     _F,
                     also_from=finish_from,
                     owner=plan.owner,
-                    error=encode_error(error, _listed(plan.policy.definite, error)),
+                    error=text,
                     ttl=plan.policy.ttl,
                 )
             )
             if snap.won:
                 raise error
-            return False, None, snap
+            return False, None, snap, _Kept(_F, raised=error, error=text)
         # Ambiguous: the work may have taken effect.
         if plan.policy.effect is Effect.UNSAFE:
+            reason, text = describe(error), encode_error(error)
             snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _U,
-                    owner=plan.owner,
-                    reason=_describe(error),
-                    error=encode_error(error),
-                )
+                _change(Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=text)
             )
+            unknown = OutcomeUnknown(plan.policy.tool, plan.key, reason)
             if snap.won:
-                raise OutcomeUnknown(plan.policy.tool, plan.key, _describe(error)) from error
-            return False, None, snap
+                raise unknown from error
+            unknown.__cause__ = error  # as raised from it, when it is raised later
+            return False, None, snap, _Kept(_U, raised=unknown, error=text, reason=reason)
         if attempt < plan.policy.attempts:
             interrupted = yield Sleep(plan.policy.backoff(attempt))
             if interrupted is not None:
                 # Interrupted between attempts: the last one may have taken effect.
-                reason = f"interrupted by {_describe(interrupted)} after {_describe(error)}"
+                reason = f"interrupted by {describe(interrupted)} after {describe(error)}"
                 yield Write(_doubt(plan, record, reason, error))
                 raise interrupted
             # Count the attempt in the record and renew the lease before running again: the
@@ -556,7 +606,7 @@ def _own(
                 )
             )
             if not snap.won:
-                return False, None, snap
+                return False, None, snap, None  # KEYED: a later run uses the same key
             assert snap.record is not None
             record = snap.record
             attempt += 1
@@ -569,7 +619,7 @@ def _own(
                     record,
                     _U,
                     owner=plan.owner,
-                    reason=_describe(error),
+                    reason=describe(error),
                     error=encode_error(error),
                 )
             )
@@ -579,7 +629,7 @@ def _own(
             )
         if snap.won:
             raise error
-        return False, None, snap
+        return False, None, snap, None  # KEYED or SAFE: may run again (with the same key)
 
 
 def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> Change | None:
@@ -595,7 +645,7 @@ def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> 
         return None
     if ran:
         return _doubt(
-            plan, record, f"interrupted by {_describe(why)} before its outcome was recorded", why
+            plan, record, f"interrupted by {describe(why)} before its outcome was recorded", why
         )
     return _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
 
