@@ -197,7 +197,9 @@ def test_a_write_retried_past_its_ttl_on_a_caller_clock_recognises_itself(
         first, second = _final_write_twice(store, later)
         assert first.won
         assert second.won
-        assert second.record is None  # past its retention: gone, as every reader sees it
+        assert second.record is not None  # what the write wrote, answered to its writer
+        assert second.record.result == '"once"'
+        assert store.get(NS, "k").record is None  # past its retention, as every reader sees it
     finally:
         store.close()
 
@@ -212,7 +214,9 @@ def test_a_write_retried_past_its_ttl_on_the_server_clock_recognises_itself(
         first, second = _final_write_twice(store, lambda: time.sleep(0.2))
         assert first.won
         assert second.won
-        assert second.record is None
+        assert second.record is not None
+        assert second.record.result == '"once"'
+        assert store.get(NS, "k").record is None
     finally:
         store.close()
 

@@ -490,6 +490,17 @@ def test_outcome_expires_and_key_is_claimed_again(store: Store, clock: FakeClock
     assert fields(snap.record) == fields(expected)
 
 
+def test_a_won_write_answers_what_it_wrote_even_past_its_retention(
+    store: Store, clock: FakeClock
+) -> None:
+    """An outcome with no retention (ttl=0) is answered as written to its writer, then gone."""
+    done = finish(store, owned(store, "alice"), State.SUCCEEDED, result='"ok"', ttl=0)
+    assert done.state is State.SUCCEEDED
+    assert done.result == '"ok"'
+    assert done.expires_at == clock.now
+    assert store.get(NS, KEY).record is None
+
+
 @pytest.mark.parametrize("state", [State.CLAIMED, State.UNKNOWN], ids=str)
 def test_claimed_and_unknown_never_expire(store: Store, clock: FakeClock, state: State) -> None:
     """CLAIMED and UNKNOWN records stay however far the clock moves, whatever ttl is asked."""

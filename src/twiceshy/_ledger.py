@@ -75,6 +75,7 @@ __all__ = ["Guard", "Ledger"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+_T = TypeVar("_T")
 
 log = logging.getLogger("twiceshy")
 
@@ -160,7 +161,9 @@ def _outcome_of(error: BaseException | None, seen: _Seen) -> Outcome:
         return Outcome.REFUSED
     if isinstance(error, StoreError):
         return Outcome.STORE_ERROR
-    return seen.outcome
+    # A call that ran the tool is EXECUTED, even when its write was then refused and it
+    # answered the record's outcome instead (a newer owner's).
+    return Outcome.EXECUTED if seen.ran else seen.outcome
 
 
 async def _awaited(answer: Awaitable[Any], key: str) -> Any:
@@ -476,7 +479,11 @@ class Guard:
         job = self._ledger._heartbeat.start(
             plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease, command.renew_by
         )
-        return job, set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+        try:
+            return job, set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+        except BaseException:  # Ctrl-C right here: no renewal may outlive the call
+            self._ledger._heartbeat.stop(job)
+            raise
 
     def _leave(self, job: Renewal, token: Token[Current | None]) -> None:
         reset_call(token)
@@ -506,17 +513,20 @@ class Guard:
             return self._drive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
+        wait_until = time.monotonic() + self.policy.wait  # one wait= for the whole call
         for _ in range(_JOINS):
             flight, leader = self._join(plan, seen)
             if leader:
                 break
-            done, value = self._joined(plan, seen, flight, flight.wait(self.policy.wait))
+            landed = flight.wait(max(wait_until - time.monotonic(), 0.0))
+            done, value = self._joined(plan, seen, flight, landed)
             if done:
                 return value
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
-            value = self._drive(protect(plan, self._recalled(plan)), work, plan, bound, seen)
+            protocol = protect(plan, self._recalled(plan), wait_until)
+            value = self._drive(protocol, work, plan, bound, seen)
         except BaseException as exc:
             error = self._failed(plan, seen, flight, exc)
             if error is not exc:
@@ -539,11 +549,21 @@ class Guard:
             if kind is Claim or kind is Write or kind is Wait:
                 assert plan is not None  # an unrecorded call only runs and sleeps
                 sent = time.monotonic()
-                answer = _store_op(store, command, plan)
+                try:
+                    answer = _store_op(store, command, plan)
+                except BaseException as exc:
+                    if _may_have_made_owner(command, exc):
+                        self._give_back(store, plan, seen, exc)
+                    raise
                 if memo is not None:
                     memo.keep(plan, answer, sent)
             elif kind is Run:
-                answer = self._run(work, plan, cast("Run", command), seen)
+                try:
+                    answer = self._run(work, plan, cast("Run", command), seen)
+                except BaseException as exc:  # only before the work started: nothing ran
+                    if plan is not None:
+                        self._give_back(store, plan, seen, exc)
+                    raise
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
                 answer = None
@@ -572,8 +592,8 @@ class Guard:
                 return Ran(value=work(""))
             except Exception as exc:
                 return Ran(error=exc)
+        job, token = self._enter(plan, command)  # an interruption here: the work never ran
         seen.ran = True
-        job, token = self._enter(plan, command)
         try:
             value = work(plan.key)
         except Exception as exc:
@@ -591,6 +611,18 @@ class Guard:
                 close()
             return Ran(error=_ReturnedAwaitable(plan.policy.tool))
         return Ran(value=value)
+
+    def _give_back(self, store: Store, plan: CallPlan, seen: _Seen, why: BaseException) -> None:
+        """An interruption cut a claim, a write or the work's start short: what the store holds
+        is looked at, and a claim this call owns but will never use is given back
+        (:func:`abandoned`), so no retry waits out its lease. Best effort: ``why`` goes on."""
+        try:
+            snap = _as_read_by(plan, store.get(plan.namespace, plan.key))
+            change = abandoned(plan, snap, seen.ran, why)
+            if change is not None:
+                store.write(plan.namespace, plan.key, change)
+        except Exception:
+            log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
 
     # -- the async driver ------------------------------------------------------------------
 
@@ -618,18 +650,19 @@ class Guard:
             return await self._adrive(retry_only(self.policy), work, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
+        wait_until = time.monotonic() + self.policy.wait  # one wait= for the whole call
         for _ in range(_JOINS):
             flight, leader = self._join(plan, seen)
             if leader:
                 break
-            landed = await flight.wait_async(self.policy.wait)
+            landed = await flight.wait_async(max(wait_until - time.monotonic(), 0.0))
             done, value = self._joined(plan, seen, flight, landed)
             if done:
                 return value
         else:
             raise InProgress(plan.policy.tool, plan.key)
         try:
-            protocol = protect(plan, self._recalled(plan))
+            protocol = protect(plan, self._recalled(plan), wait_until)
             value = await self._adrive(protocol, work, plan, bound, seen)
         except BaseException as exc:
             error = self._failed(plan, seen, flight, exc)
@@ -657,7 +690,12 @@ class Guard:
                 if memo is not None:
                     memo.keep(plan, answer, sent)
             elif kind is Run:
-                answer = await self._arun(work, plan, cast("Run", command), seen)
+                try:
+                    answer = await self._arun(work, plan, cast("Run", command), seen)
+                except BaseException as exc:  # only before the work started: nothing ran
+                    if plan is not None:
+                        await self._agive_back(store, plan, seen, exc)
+                    raise
             elif kind is Note:
                 seen.outcome = cast("Note", command).outcome
                 answer = None
@@ -692,14 +730,34 @@ class Guard:
         try:
             return cast(Snapshot, await asyncio.shield(task))
         except asyncio.CancelledError as cancelled:
-            try:
-                snap = await task
-                change = abandoned(plan, snap, seen.ran, cancelled)
-                if change is not None:
-                    await store.write(plan.namespace, plan.key, change)
-            except Exception:
-                log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
+            # Cancelled again meanwhile (a task group shutting down), it still runs to its end.
+            await self._agive_back(store, plan, seen, cancelled, task)
             raise cancelled from None
+        except Exception as exc:
+            if _may_have_made_owner(command, exc):
+                await self._agive_back(store, plan, seen, exc)
+            raise
+
+    async def _agive_back(
+        self,
+        store: AsyncStore,
+        plan: CallPlan,
+        seen: _Seen,
+        why: BaseException,
+        command: Awaitable[Snapshot] | None = None,
+    ) -> None:
+        """What :meth:`_give_back` does, for the async driver; ``command``: the interrupted
+        claim or write, whose answer shows what the store holds (else it is read)."""
+        try:
+            if command is not None:
+                snap = await _to_the_end(command)
+            else:
+                snap = _as_read_by(plan, await _to_the_end(store.get(plan.namespace, plan.key)))
+            change = abandoned(plan, snap, seen.ran, why)
+            if change is not None:
+                await _to_the_end(store.write(plan.namespace, plan.key, change))
+        except Exception:
+            log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
 
     async def _arun(self, work: _Work, plan: CallPlan | None, command: Run, seen: _Seen) -> Ran:
         if plan is None:
@@ -707,8 +765,8 @@ class Guard:
                 return Ran(value=await work(""))
             except Exception as exc:
                 return Ran(error=exc)
+        job, token = self._enter(plan, command)  # an interruption here: the work never ran
         seen.ran = True
-        job, token = self._enter(plan, command)
         try:
             value = await work(plan.key)
         except Exception as exc:
@@ -719,6 +777,40 @@ class Guard:
         finally:
             self._leave(job, token)
         return Ran(value=value)
+
+
+def _may_have_made_owner(command: Command, exc: BaseException) -> bool:
+    """Whether a store command cut short by ``exc`` may have left this call the owner of a
+    claim it will not use: any claim or write an interruption cut short (it may have committed
+    all the same), and a failed claim, take-over or take-back (its reply may be what was lost).
+    Whatever is found is given back (:func:`abandoned`); a failed outcome write is not: its
+    error says the outcome was not recorded."""
+    kind = type(command)
+    if kind is Claim:
+        return True
+    if kind is not Write:
+        return False
+    return not isinstance(exc, Exception) or cast(Write, command).change.new_owner is not None
+
+
+def _as_read_by(plan: CallPlan, snap: Snapshot) -> Snapshot:
+    """A record read back, as its claim would have answered this call: won when this call's
+    owner token holds it (no other call has that token)."""
+    record = snap.record
+    if record is not None and record.state is State.CLAIMED and record.owner == plan.owner:
+        return Snapshot(record, snap.now, True)
+    return snap
+
+
+async def _to_the_end(awaitable: Awaitable[_T]) -> _T:
+    """Await to its end however often the awaiting task is cancelled meanwhile."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                return task.result()
 
 
 def _store_op(store: Store | AsyncStore, command: Command, plan: CallPlan) -> Any:

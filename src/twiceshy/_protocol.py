@@ -76,10 +76,12 @@ TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
     (_C, _U): frozenset({Actor.OWNER, Actor.CALLER}),  # caller: lease lapsed, UNSAFE only
     (_C, _C): frozenset({Actor.OWNER, Actor.CALLER}),  # owner: heartbeat; caller: lapsed takeover
     (_R, _C): frozenset({Actor.CALLER}),
-    (_U, _C): frozenset({Actor.CALLER}),  # KEYED only: the provider deduplicates by the key
+    # caller: KEYED only, the provider deduplicates by the key; owner: same fence, its claim
+    # answered so late that a lapse was marked UNKNOWN before its work started
+    (_U, _C): frozenset({Actor.CALLER, Actor.OWNER}),
     (_U, _S): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: finishing late
     (_U, _F): frozenset({Actor.RECONCILER, Actor.OWNER}),
-    (_U, _R): frozenset({Actor.RECONCILER}),
+    (_U, _R): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: its work did not apply
 }
 """Every transition a record may take, and who may take it (DESIGN.md §3)."""
 
@@ -344,13 +346,17 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
     return None
 
 
-def protect(plan: CallPlan, recalled: Snapshot | None = None) -> Protocol:
+def protect(
+    plan: CallPlan, recalled: Snapshot | None = None, wait_until: float | None = None
+) -> Protocol:
     """The protocol of one protected call; returns the result or raises the outcome's error.
 
     ``recalled``: a settled record of the key this process kept (``Ledger(remember=)``), which
     answers in place of the first claim: such a record changes only by expiring.
+    ``wait_until``: when the call's waiting for a running duplicate ends (monotonic; the
+    ledger passes ``wait=`` from the call's start, its waits on a flight in this process
+    included); without it, ``wait=`` from when the call first finds the intent running.
     """
-    wait_until: float | None = None  # set when the call first finds the intent running
     # ``sent``: when the last command that could make this call the owner was sent.
     if recalled is None:
         sent, snap = yield from _timed(Claim())
@@ -491,8 +497,9 @@ def _own(
 
     ``trusted_until`` is when this owner stops trusting its lease (monotonic). An owner past it
     renews the lease before the work starts, so that it never runs beside a caller that took the
-    lapsed lease over, or after a reconciler released the intent, its lapse marked UNKNOWN. An
-    UNSAFE tool without a reconciler runs anyway: nobody else ever runs it.
+    lapsed lease over, or after a reconciler (its own, or an operator's) released the intent. An
+    UNSAFE owner also takes back a record at its own fence that a lapse marked UNKNOWN: nothing
+    but a reconciler moves such a record on, so nobody else has run the work.
 
     Returns ``(True, value, snap, None)`` when this call's own outcome stands, or
     ``(False, None, snap, kept)`` when a write was refused: the caller then follows the record's
@@ -501,21 +508,25 @@ def _own(
     """
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
-    # An UNSAFE owner without a reconciler, past its trust, runs anyway: its heartbeat renews
-    # the lease at once then, before a duplicate can find it lapsed and call a running call's
-    # outcome unknown.
     renew_by = trusted_until
-    if plan.policy.effect is not Effect.UNSAFE or plan.policy.reconcile:
-        now = yield Now()
-        if now >= trusted_until:
-            snap = yield Write(
-                _change(Actor.OWNER, record, _C, owner=plan.owner, lease=plan.policy.lease)
+    now = yield Now()
+    if now >= trusted_until:
+        take_back = finish_from if plan.policy.effect is Effect.UNSAFE else frozenset()
+        snap = yield Write(
+            _change(
+                Actor.OWNER,
+                record,
+                _C,
+                also_from=take_back,
+                owner=plan.owner,
+                lease=plan.policy.lease,
             )
-            if not snap.won:
-                return False, None, snap, None
-            assert snap.record is not None
-            record = snap.record
-            renew_by = math.inf  # a lease just renewed: the heartbeat's own beat will do
+        )
+        if not snap.won:
+            return False, None, snap, None
+        assert snap.record is not None
+        record = snap.record
+        renew_by = math.inf  # a lease just renewed: the heartbeat's own beat will do
     while True:
         ran: Ran = yield Run(record.fence, attempt, renew_by)
         renew_by = math.inf  # every later attempt follows a renewal (count_attempt below)
@@ -554,7 +565,14 @@ def _own(
             kind = _classify(plan.policy, error)
         if kind is _Kind.NOT_APPLIED:
             snap = yield Write(
-                _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _R,
+                    also_from=finish_from,
+                    owner=plan.owner,
+                    ttl=plan.policy.ttl,
+                )
             )
             if snap.won:
                 raise error

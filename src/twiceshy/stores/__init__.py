@@ -70,7 +70,11 @@ class Store(Protocol):
         ...
 
     def write(self, namespace: str, key: str, change: Change) -> Snapshot:
-        """Apply ``change`` if its guards hold; answer the record as it now is."""
+        """Apply ``change`` if its guards hold; answer the record as it now is.
+
+        A write that applied answers the record it wrote, even one already past its retention
+        (``ttl=0``); one that did not answers the live record, or ``None``.
+        """
         ...
 
     def get(self, namespace: str, key: str) -> Snapshot:

@@ -426,10 +426,12 @@ def _record(fields: Mapping[str, str]) -> Record:
 
 
 def _snapshot(reply: object) -> Snapshot:
-    """A script's answer ``{won, now, field, value, ...}`` as a snapshot of the live record."""
+    """A script's answer ``{won, now, field, value, ...}`` as a snapshot of the live record
+    (or of the record a won write wrote)."""
     if not isinstance(reply, list) or len(reply) < 2:
         raise StoreError(f"Redis ledger: unexpected script answer {reply!r}")
     now = float(reply[1])
+    won = reply[0] in (b"1", "1")
     record = None
     if len(reply) == 3:
         try:
@@ -439,11 +441,12 @@ def _snapshot(reply: object) -> Snapshot:
         if not isinstance(fields, dict):
             raise StoreError(f"Redis ledger: unexpected script answer {reply!r}")
         record = _record(fields)
-        if record.expires_at is not None and record.expires_at <= now:
+        # A record past its retention is no record; one this command just wrote is answered.
+        if not won and record.expires_at is not None and record.expires_at <= now:
             record = None
     elif len(reply) != 2:
         raise StoreError(f"Redis ledger: unexpected script answer {reply!r}")
-    return Snapshot(record, now, reply[0] in (b"1", "1"))
+    return Snapshot(record, now, won)
 
 
 def _settled(snap: Snapshot, fence: int) -> bool:

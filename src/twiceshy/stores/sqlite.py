@@ -868,8 +868,8 @@ class SQLiteStore:
             record = _record(rows[0]) if rows else self._read(conn, namespace, key)
         if won:
             self._notify()
-        if record is not None and not is_live(record, now):
-            record = None
+        elif record is not None and not is_live(record, now):
+            record = None  # a record past its retention is no record; one just written is
         return Snapshot(record, now, won)
 
     def get(self, namespace: str, key: str) -> Snapshot:
