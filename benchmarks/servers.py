@@ -22,7 +22,9 @@ For each server store:
   (``use_local_cache=True``), the like-for-like peer.
 - *no store*: the same first call and replay on a ``memory://`` ledger, taking turns with the
   rest: twiceshy's own work with no I/O at all, set beside what a target of 1.1x the floor
-  leaves for it (a tenth of the floor).
+  leaves for it (a tenth of the floor); and again with each call after 0.2 ms of sleep, as a
+  call's own work follows a round trip's wait (on this kind of machine the same work then takes
+  two to three times as long: caches and the CPU are cold again).
 
 Medians of per-call times; the machine is shared, so compare ratios within one run. Only
 127.0.0.1 is used; everything the run creates (a schema, a key prefix) is removed at the end.
@@ -62,6 +64,18 @@ def timed(fn: Callable[[int], object], calls: int) -> list[int]:
         fn(i)
         out.append(time.perf_counter_ns() - start)
     return out
+
+
+def after_idle(fn: Callable[[int], object], calls: int, idle: float = 0.0002) -> float:
+    """Median microseconds of ``fn`` when each call follows ``idle`` seconds of sleep, as a
+    call's own work follows a round trip's wait (caches and the CPU are cold again then)."""
+    out = []
+    for i in range(calls):
+        time.sleep(idle)
+        start = time.perf_counter_ns()
+        fn(i)
+        out.append(time.perf_counter_ns() - start)
+    return median_us(out)
 
 
 def median_us(times: list[int]) -> float:
@@ -201,6 +215,11 @@ def no_store() -> tuple[twiceshy.Ledger, dict[str, Callable[[int], object]]]:
     return ledger, {"no store first": first, "no store replay": replay}
 
 
+def idle_costs(nothing: dict[str, Callable[[int], object]], run: Run) -> dict[str, float]:
+    """The no-store first call and replay again, each call after a short idle."""
+    return {f"{name} idle": after_idle(fn, run.rounds * run.calls) for name, fn in nothing.items()}
+
+
 def postgres(run: Run, records: int) -> dict[str, float]:
     """Measure the PostgreSQL ledger and its floor."""
     schema = f"twiceshy_bench_{secrets.token_hex(4)}"
@@ -255,6 +274,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
                 **nothing,
             }
         )
+        out.update(idle_costs(nothing, run))
         out["wake ms"] = wake_up(ledger, 30)
         conn.execute(
             f"""INSERT INTO {schema}.records
@@ -331,6 +351,7 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
                 **nothing,
             }
         )
+        out.update(idle_costs(nothing, run))
         out["wake ms"] = wake_up(ledger, 30)
         store: Any = ledger.store
         pipe = client.pipeline(transaction=False)
@@ -473,17 +494,22 @@ def main() -> None:
         "What 1.1x the floor leaves for twiceshy's work, beside that work alone with no store"
         " (memory://, in the same rounds):"
     )
-    print(f"  {'store':<9} {'call':<7} {'floor':>7} {'leaves':>7} {'used':>7} {'no store':>9}")
+    print(
+        f"  {'store':<9} {'call':<7} {'floor':>7} {'leaves':>7} {'used':>7} {'no store':>9}"
+        f" {'after idle':>11}"
+    )
     for name, r in results.items():
         for call, floor_name in (("first", "floor first"), ("replay", "floor read")):
             floor = r[floor_name]
             print(
                 f"  {name:<9} {call:<7} {floor:>7.0f} {floor * 0.1:>7.0f} {r[call] - floor:>7.0f}"
-                f" {r[f'no store {call}']:>9.0f}"
+                f" {r[f'no store {call}']:>9.0f} {r[f'no store {call} idle']:>11.0f}"
             )
     print(
         "  leaves: a tenth of the floor; used: twiceshy's time beyond the floor; no store: the"
-        " same call on memory://.\n  Where 'no store' exceeds 'leaves', no store could meet 1.1x."
+        " same call on memory://,\n  back to back, and after idle: each after 0.2 ms of sleep,"
+        " as a call's work follows a round trip.\n  Where 'no store' exceeds 'leaves', no store"
+        " could meet 1.1x."
     )
     r = results["redis"]
     print()
