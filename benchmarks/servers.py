@@ -1,6 +1,6 @@
 """Per-call cost on the PostgreSQL and Redis ledgers, beside the floor and a peer, in one run.
 
-    python benchmarks/servers.py [--quick] [--records N]
+    python benchmarks/servers.py [--quick] [--records N] [--pin]
 
 For each server store:
 
@@ -33,6 +33,7 @@ Medians of per-call times; the machine is shared, so compare ratios within one r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -83,17 +84,66 @@ def median_us(times: list[int]) -> float:
     return statistics.median(times) / 1000
 
 
+class Placement:
+    """With ``--pin``: this process on the first CPU, the servers serving it on the others.
+
+    A round trip on loopback costs about three times as much when the server's process runs on
+    another CPU than the client's (a cross-CPU wake-up) as on the same one, and the scheduler
+    decides that per connection: unpinned, a floor's connection and the ledger's pooled ones can
+    land differently, and their ratio measures the placement. Pinned, every round trip crosses
+    CPUs, as it crosses a network in production. The servers' affinity is restored at the end.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if enabled and len(cpus) < 2:
+            raise SystemExit("--pin needs os.sched_setaffinity and two CPUs or more")
+        self.enabled = enabled
+        self.client, self.servers, self.all = {cpus[0]} if cpus else set(), set(cpus[1:]), cpus
+        self.pinned: set[int] = set()
+
+    def pin(self) -> None:
+        """Pin this process, the PostgreSQL backends of the test database, and Redis."""
+        if not self.enabled:
+            return
+        os.sched_setaffinity(0, self.client)
+        with psycopg.connect(POSTGRES, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            ).fetchall()
+        client = redis.Redis.from_url(REDIS)
+        pids = [int(pid) for (pid,) in rows] + [int(client.info("server")["process_id"])]
+        client.close()
+        for pid in pids:
+            try:
+                os.sched_setaffinity(pid, self.servers)
+                self.pinned.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def restore(self) -> None:
+        """Give every process pinned here all the CPUs again."""
+        for pid in self.pinned:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(pid, self.all)
+        if self.enabled:
+            os.sched_setaffinity(0, self.all)
+
+
 class Run:
     """One measurement's cases taking turns, round by round."""
 
-    def __init__(self, rounds: int, calls: int) -> None:
+    def __init__(self, rounds: int, calls: int, placement: Placement | None = None) -> None:
         self.rounds, self.calls = rounds, calls
+        self.placement = placement or Placement(False)
 
     def interleave(self, cases: dict[str, Callable[[int], object]]) -> dict[str, float]:
         """Median per call of each case, the cases taking turns."""
         times: dict[str, list[int]] = {name: [] for name in cases}
         for fn in cases.values():
-            timed(fn, 5)  # warm up
+            timed(fn, 5)  # warm up: every pool has its connections now
+        self.placement.pin()
         for _ in range(self.rounds):
             for name, fn in cases.items():
                 times[name] += timed(fn, self.calls)
@@ -448,10 +498,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, for a smoke run")
     parser.add_argument("--records", type=int, default=1_000_000, help="records for 'flat'")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="this process on one CPU, the servers on the others (see Placement)",
+    )
     args = parser.parse_args()
-    run = Run(2, 20) if args.quick else Run(6, 60)
+    placement = Placement(args.pin)
+    run = Run(2, 20, placement) if args.quick else Run(6, 60, placement)
     records = min(args.records, 10_000) if args.quick else args.records
-    results = {"postgres": postgres(run, records), "redis": redis_store(run, records)}
+    try:
+        results = {"postgres": postgres(run, records), "redis": redis_store(run, records)}
+    finally:
+        placement.restore()
+    if args.pin:
+        print(f"pinned: this process on CPU {placement.client}, the servers on {placement.servers}")
     print(f"median per call in microseconds; {run.rounds} rounds of {run.calls} calls per case")
     header = (
         f"{'store':<9} {'call':<7} {'twiceshy':>9} {'floor':>7} {'ratio':>6}"
