@@ -21,7 +21,6 @@ import twiceshy
 from twiceshy import Change, Snapshot, State
 from twiceshy.stores import ThreadedAsyncStore
 from twiceshy.stores.memory import MemoryStore
-from twiceshy.stores.sqlite import SQLiteStore
 
 
 class Clock:
@@ -94,11 +93,13 @@ def test_an_unsafe_owner_paused_past_its_lease_never_runs_beside_a_rerun_after_a
     assert runs == ["other"]
 
 
-def test_sqlite_an_unsafe_intent_reconciled_as_happened_with_no_retention_never_reruns(
-    tmp_path: Path,
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_an_unsafe_intent_reconciled_as_happened_with_no_retention_never_reruns(
+    kind: str, tmp_path: Path
 ) -> None:
     """A reconciler said the UNSAFE intent happened: the same call must not run it again."""
-    ledger = twiceshy.Ledger(store=SQLiteStore(tmp_path / "ledger.db"), counts_interval=None)
+    url = f"sqlite:///{tmp_path / 'ledger.db'}" if kind == "sqlite" else "memory://"
+    ledger = twiceshy.Ledger(url, counts_interval=None)
     runs: list[int] = []
 
     @ledger.tool(effect=twiceshy.UNSAFE, ttl=0, reconcile=lambda k, a: twiceshy.Happened("sent"))
@@ -114,25 +115,6 @@ def test_sqlite_an_unsafe_intent_reconciled_as_happened_with_no_retention_never_
         assert send("ada") == "sent"  # the reconciler's answer
     assert runs == [1]
     ledger.close()
-
-
-def test_memory_an_unsafe_intent_reconciled_as_happened_with_no_retention_never_reruns() -> None:
-    """The memory store's twin of the SQLite test above (passes: it answers the written record)."""
-    ledger = twiceshy.Ledger("memory://", counts_interval=None)
-    runs: list[int] = []
-
-    @ledger.tool(effect=twiceshy.UNSAFE, ttl=0, reconcile=lambda k, a: twiceshy.Happened("sent"))
-    def send(to: str) -> str:
-        runs.append(1)
-        if len(runs) == 1:
-            raise TimeoutError("the provider did not answer")
-        return "sent a second time"
-
-    with twiceshy.run("run-1"):
-        with pytest.raises(twiceshy.OutcomeUnknown):
-            send("ada")
-        assert send("ada") == "sent"
-    assert runs == [1]
 
 
 # -- claims left CLAIMED with nobody renewing them ----------------------------------------------

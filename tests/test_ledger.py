@@ -1125,76 +1125,73 @@ class StallingClaims(MemoryStore):
         return snap
 
 
-@pytest.mark.parametrize("effect", [twiceshy.KEYED, twiceshy.SAFE])
-def test_an_owner_past_its_trusted_lease_renews_before_running(effect: twiceshy.Effect) -> None:
-    """A claim answered after its lease lapsed, and taken over meanwhile, never runs the work."""
-    store = StallingClaims()
-    runs: list[str] = []
+class StalledOwner:
+    """Two ledgers on one store racing for one intent: the first one's claim answers only
+    after its 0.2 s lease has lapsed on the store's clock; ``other()`` calls from the second
+    ledger once it has (the calls of the tool record who ran it in ``runs``)."""
 
-    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
-        options: dict[str, Any] = {"record": True} if effect is twiceshy.SAFE else {}
+    def __init__(self, effect: twiceshy.Effect, scope: str, **options: Any) -> None:
+        store = StallingClaims()
+        self.runs: list[str] = []
+        self.answers: list[str] = []
+        self.scope = scope
+        stalled = self._tool(twiceshy.Ledger(store=store), "stalled", effect, options)
+        self._other = self._tool(twiceshy.Ledger(store=store), "other", effect, options)
 
+        def call_stalled() -> None:
+            with twiceshy.run(scope):
+                self.answers.append(stalled(1))
+
+        store.stall = 0.6
+        self.thread = threading.Thread(target=call_stalled)
+        self.thread.start()
+        time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
+
+    def _tool(
+        self, ledger: twiceshy.Ledger, who: str, effect: twiceshy.Effect, options: Any
+    ) -> Any:
         @ledger.tool(effect=effect, name="charge", lease=0.2, **options)
         def charge(amount: int) -> str:
-            runs.append(who)
+            self.runs.append(who)
             return who
 
         return charge
 
-    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
-    other = tool_of(twiceshy.Ledger(store=store), "other")
-    answers: list[str] = []
+    def other(self) -> str:
+        """The second ledger's call of the intent."""
+        with twiceshy.run(self.scope):
+            answer: str = self._other(1)
+            return answer
 
-    def call_stalled() -> None:
-        with twiceshy.run("run-trust"):
-            answers.append(stalled(1))
+    def finish(self) -> None:
+        """Let the stalled owner's call end."""
+        self.thread.join(10)
 
-    store.stall = 0.6
-    thread = threading.Thread(target=call_stalled)
-    thread.start()
-    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
-    with twiceshy.run("run-trust"):
-        assert other(1) == "other"  # takes the lapsed lease over and runs
-    thread.join(10)
-    assert runs == ["other"]
-    assert answers == ["other"]  # the stalled owner renewed, was fenced out, and replayed
+
+@pytest.mark.parametrize("effect", [twiceshy.KEYED, twiceshy.SAFE])
+def test_an_owner_past_its_trusted_lease_renews_before_running(effect: twiceshy.Effect) -> None:
+    """A claim answered after its lease lapsed, and taken over meanwhile, never runs the work."""
+    options = {"record": True} if effect is twiceshy.SAFE else {}
+    race = StalledOwner(effect, "run-trust", **options)
+    assert race.other() == "other"  # takes the lapsed lease over and runs
+    race.finish()
+    assert race.runs == ["other"]
+    assert race.answers == ["other"]  # the stalled owner renewed, was fenced out, and replayed
 
 
 def test_an_unsafe_owner_past_its_trusted_lease_still_runs_once() -> None:
     """Nobody else runs an UNSAFE tool: a stalled owner runs it and its outcome settles the doubt.
 
-    The caller that found the lapsed lease meanwhile is told the outcome is unknown.
+    The caller that found the lapsed lease meanwhile is told the outcome is unknown; the stalled
+    owner takes back its record, which nothing else moved on.
     """
-    store = StallingClaims()
-    runs: list[str] = []
-
-    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
-        @ledger.tool(effect=twiceshy.UNSAFE, name="wire", lease=0.2)
-        def wire(amount: int) -> str:
-            runs.append(who)
-            return who
-
-        return wire
-
-    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
-    other = tool_of(twiceshy.Ledger(store=store), "other")
-    answers: list[str] = []
-
-    def call_stalled() -> None:
-        with twiceshy.run("run-trust-3"):
-            answers.append(stalled(1))
-
-    store.stall = 0.6
-    thread = threading.Thread(target=call_stalled)
-    thread.start()
-    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
-    with twiceshy.run("run-trust-3"), pytest.raises(twiceshy.OutcomeUnknown):
-        other(1)
-    thread.join(10)
-    assert runs == ["stalled"]
-    assert answers == ["stalled"]
-    with twiceshy.run("run-trust-3"):
-        assert other(1) == "stalled"  # the late owner's outcome is the intent's
+    race = StalledOwner(twiceshy.UNSAFE, "run-trust-3")
+    with pytest.raises(twiceshy.OutcomeUnknown):
+        race.other()
+    race.finish()
+    assert race.runs == ["stalled"]
+    assert race.answers == ["stalled"]
+    assert race.other() == "stalled"  # the late owner's outcome is the intent's
 
 
 def test_a_stalled_unsafe_owner_whose_intent_a_reconciler_released_does_not_run() -> None:
@@ -1203,39 +1200,13 @@ def test_a_stalled_unsafe_owner_whose_intent_a_reconciler_released_does_not_run(
     The caller that found the lapsed lease marked it UNKNOWN, asked the reconciler (nothing
     happened, as was true then), and ran the tool itself; the stalled owner then replays it.
     """
-    store = StallingClaims()
-    runs: list[str] = []
-
-    def tool_of(ledger: twiceshy.Ledger, who: str) -> Any:
-        @ledger.tool(
-            effect=twiceshy.UNSAFE,
-            name="wire",
-            lease=0.2,
-            reconcile=lambda key, args: twiceshy.DidNotHappen(),
-        )
-        def wire(amount: int) -> str:
-            runs.append(who)
-            return who
-
-        return wire
-
-    stalled = tool_of(twiceshy.Ledger(store=store), "stalled")
-    other = tool_of(twiceshy.Ledger(store=store), "other")
-    answers: list[str] = []
-
-    def call_stalled() -> None:
-        with twiceshy.run("run-trust-4"):
-            answers.append(stalled(1))
-
-    store.stall = 0.6
-    thread = threading.Thread(target=call_stalled)
-    thread.start()
-    time.sleep(0.35)  # the stalled claim's lease has lapsed on the store's clock
-    with twiceshy.run("run-trust-4"):
-        assert other(1) == "other"
-    thread.join(10)
-    assert runs == ["other"]  # it ran beside the other caller's run before the fix
-    assert answers == ["other"]
+    race = StalledOwner(
+        twiceshy.UNSAFE, "run-trust-4", reconcile=lambda key, args: twiceshy.DidNotHappen()
+    )
+    assert race.other() == "other"
+    race.finish()
+    assert race.runs == ["other"]  # it ran beside the other caller's run before the fix
+    assert race.answers == ["other"]
 
 
 @pytest.mark.parametrize("ending", ["returns", "fails for certain", "times out"])
