@@ -613,16 +613,17 @@ class Guard:
         return Ran(value=value)
 
     def _give_back(self, store: Store, plan: CallPlan, seen: _Seen, why: BaseException) -> None:
-        """An interruption cut a claim, a write or the work's start short: what the store holds
-        is looked at, and a claim this call owns but will never use is given back
-        (:func:`abandoned`), so no retry waits out its lease. Best effort: ``why`` goes on."""
+        """A claim, a write or the work's start was cut short (an interruption, or a store
+        failure that may have lost the reply): what the store holds is looked at, and a claim
+        this call owns but will never use is given back (:func:`abandoned`), so no retry waits
+        out its lease. Best effort: ``why`` goes on."""
         try:
             snap = _as_read_by(plan, store.get(plan.namespace, plan.key))
             change = abandoned(plan, snap, seen.ran, why)
             if change is not None:
                 store.write(plan.namespace, plan.key, change)
         except Exception:
-            log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
+            _could_not_give_back(plan, why)
 
     # -- the async driver ------------------------------------------------------------------
 
@@ -757,7 +758,7 @@ class Guard:
             if change is not None:
                 await _to_the_end(store.write(plan.namespace, plan.key, change))
         except Exception:
-            log.warning("twiceshy: could not give back key %s", plan.key, exc_info=True)
+            _could_not_give_back(plan, why)
 
     async def _arun(self, work: _Work, plan: CallPlan | None, command: Run, seen: _Seen) -> Ran:
         if plan is None:
@@ -777,6 +778,12 @@ class Guard:
         finally:
             self._leave(job, token)
         return Ran(value=value)
+
+
+def _could_not_give_back(plan: CallPlan, why: BaseException) -> None:
+    # After a store failure the store is likely still failing, and the caller has its error.
+    level = logging.DEBUG if isinstance(why, StoreError) else logging.WARNING
+    log.log(level, "twiceshy: could not give back key %s", plan.key, exc_info=True)
 
 
 def _may_have_made_owner(command: Command, exc: BaseException) -> bool:
