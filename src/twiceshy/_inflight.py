@@ -161,11 +161,13 @@ class Renewal:
 
 
 class Heartbeat:
-    """One thread per ledger renewing the leases of running calls, started on first use.
+    """One thread per ledger timing the renewals of running calls' leases, started on first use.
 
     A call whose work outlasts a third of its lease has its lease renewed on the store's clock, so
-    no other caller takes over while it still runs. A renewal refused by the store (a newer fence)
-    marks the call as fenced out; a store error is logged and retried at the next beat.
+    no other caller takes over while it still runs. Each renewal is written from a thread of its
+    own, so a slow or hung store write delays only its own lease, never the other calls'. A
+    renewal refused by the store (a newer fence) marks the call as fenced out; a store error is
+    logged and retried at the next beat.
     """
 
     def __init__(self, store: Store) -> None:
@@ -202,6 +204,11 @@ class Heartbeat:
         if that is sooner."""
         due = min(time.monotonic() + lease / 3, renew_by)
         job = Renewal(namespace, key, fence, owner, lease, due)
+        self._schedule(job)
+        return job
+
+    def _schedule(self, job: Renewal) -> None:
+        """Put ``job`` on the heap for its ``due`` time; start or wake the thread if needed."""
         with self._cond:
             job.seq = next(self._seq)
             heapq.heappush(self._heap, (job.due, job.seq, job))
@@ -212,7 +219,6 @@ class Heartbeat:
                 self._thread.start()
             elif job.due < self._wake_at:
                 self._cond.notify()
-        return job
 
     def stop(self, job: Renewal) -> None:
         """Stop renewing a lease (the heap drops it lazily)."""
@@ -240,11 +246,17 @@ class Heartbeat:
                     self._wake_at = -math.inf
                     continue
                 heapq.heappop(self._heap)
-            self._renew(job)
-            if not job.stopped and not job.lost:
-                with self._cond:
-                    job.due = time.monotonic() + job.lease / 3
-                    heapq.heappush(self._heap, (job.due, next(self._seq), job))
+            # Off this thread: the next due lease must not wait for this one's round trip.
+            threading.Thread(
+                target=self._beat, args=(job,), name="twiceshy-renewal", daemon=True
+            ).start()
+
+    def _beat(self, job: Renewal) -> None:
+        """Renew one lease, then schedule its next renewal (unless it ended or was lost)."""
+        self._renew(job)
+        if not job.stopped and not job.lost:
+            job.due = time.monotonic() + job.lease / 3
+            self._schedule(job)
 
     def _renew(self, job: Renewal) -> None:
         try:

@@ -789,15 +789,16 @@ def _could_not_give_back(plan: CallPlan, why: BaseException) -> None:
 def _may_have_made_owner(command: Command, exc: BaseException) -> bool:
     """Whether a store command cut short by ``exc`` may have left this call the owner of a
     claim it will not use: any claim or write an interruption cut short (it may have committed
-    all the same), and a failed claim, take-over or take-back (its reply may be what was lost).
-    Whatever is found is given back (:func:`abandoned`); a failed outcome write is not: its
-    error says the outcome was not recorded."""
+    all the same), and a failed claim or write to CLAIMED (a take-over, a take-back, a renewal
+    before the work or between attempts: its reply may be what was lost). Whatever is found is
+    given back (:func:`abandoned`); a failed outcome write is not: its error says the outcome
+    was not recorded."""
     kind = type(command)
     if kind is Claim:
         return True
     if kind is not Write:
         return False
-    return not isinstance(exc, Exception) or cast(Write, command).change.new_owner is not None
+    return not isinstance(exc, Exception) or cast(Write, command).change.to is State.CLAIMED
 
 
 def _as_read_by(plan: CallPlan, snap: Snapshot) -> Snapshot:
