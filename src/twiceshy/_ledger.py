@@ -369,13 +369,12 @@ class Guard:
             ValueError: the tool has no reconciler.
             StoreError: the ledger failed.
         """
-        if self._reconcile is None:
-            raise ValueError(f"the tool {self.name!r} has no reconcile= function")
+        reconcile = self._reconciler()
         store, ns = self._ledger.store, self._ledger.namespace
         record = store.get(ns, key).record
-        if record is None or record.state is not State.UNKNOWN or record.tool != self.name:
+        if record is None or not self._parked(record):
             return record
-        answer = _reconciled(self._reconcile, key, None)
+        answer = _reconciled(reconcile, key, None)
         if inspect.isawaitable(answer):
             if _loop_running():
                 close = getattr(answer, "close", None)
@@ -387,24 +386,28 @@ class Guard:
                 )
             answer = asyncio.run(_awaited(answer, key))
         change = settle(self.policy, record, answer)
-        if change is None:
-            return record
-        return store.write(ns, key, change).record
+        return record if change is None else store.write(ns, key, change).record
 
     async def asettle(self, key: str) -> Record | None:
         """:meth:`settle` from async code: the reconciler is awaited if it is async, and run
         in a worker thread if it blocks; the ledger is used through its async store."""
-        if self._reconcile is None:
-            raise ValueError(f"the tool {self.name!r} has no reconcile= function")
+        reconcile = self._reconciler()
         store, ns = self._ledger.async_store, self._ledger.namespace
         record = (await store.get(ns, key)).record
-        if record is None or record.state is not State.UNKNOWN or record.tool != self.name:
+        if record is None or not self._parked(record):
             return record
-        answer = await _areconciled(self._reconcile, key, None)
+        answer = await _areconciled(reconcile, key, None)
         change = settle(self.policy, record, answer)
-        if change is None:
-            return record
-        return (await store.write(ns, key, change)).record
+        return record if change is None else (await store.write(ns, key, change)).record
+
+    def _reconciler(self) -> Reconciler:
+        if self._reconcile is None:
+            raise ValueError(f"the tool {self.name!r} has no reconcile= function")
+        return self._reconcile
+
+    def _parked(self, record: Record) -> bool:
+        """Whether ``record`` is this tool's, parked UNKNOWN: the one thing settling may change."""
+        return record.state is State.UNKNOWN and record.tool == self.name
 
     # -- shared, no I/O --------------------------------------------------------------------
 

@@ -401,11 +401,7 @@ def protect(
             yield Note(settled)
             raise _replay_error(plan, record.error)
         if state is State.RELEASED:
-            sent, snap = yield from _timed(
-                Write(
-                    _change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease)
-                )
-            )
+            sent, snap = yield from _take(plan, record)
             continue
         if state is State.CLAIMED:
             lapsed = record.lease_deadline is not None and record.lease_deadline <= snap.now
@@ -416,18 +412,7 @@ def protect(
                 )
                 continue
             if lapsed:
-                sent, snap = yield from _timed(
-                    Write(
-                        _change(
-                            Actor.CALLER,
-                            record,
-                            _C,
-                            lapsed=True,
-                            new_owner=plan.owner,
-                            lease=plan.policy.lease,
-                        )
-                    )
-                )
+                sent, snap = yield from _take(plan, record, lapsed=True)
                 continue
             now = yield Now()
             if wait_until is None:
@@ -451,9 +436,7 @@ def protect(
                 continue
         if plan.policy.effect is Effect.UNSAFE:
             raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
-        sent, snap = yield from _timed(
-            Write(_change(Actor.CALLER, record, _C, new_owner=plan.owner, lease=plan.policy.lease))
-        )
+        sent, snap = yield from _take(plan, record)
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
 
 
@@ -470,6 +453,17 @@ def _record_kept(plan: CallPlan, record: Record, kept: _Kept) -> Change:
         reason=kept.reason,
         ttl=ttl,
     )
+
+
+def _take(
+    plan: CallPlan, record: Record, *, lapsed: bool = False
+) -> Generator[Command, Any, tuple[float, Snapshot]]:
+    """Claim ``record`` for this call at fence + 1: a released intent, a lapsed lease of a SAFE
+    or KEYED tool (``lapsed``), or a KEYED intent left unknown."""
+    change = _change(
+        Actor.CALLER, record, _C, lapsed=lapsed, new_owner=plan.owner, lease=plan.policy.lease
+    )
+    return (yield from _timed(Write(change)))
 
 
 def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snapshot]]:

@@ -167,8 +167,10 @@ class OutcomeNotRecorded(StoreError):
     """The tool ran, and then the ledger failed (its outcome, or its next attempt, could not be
     written): the work may have taken effect. The store's own error is the ``__cause__``.
 
-    The record is left claimed: once its lease lapses, a KEYED tool is run again with the same
-    key, an UNSAFE one is answered :class:`OutcomeUnknown`. ``str()`` is written for the model.
+    The record is marked UNKNOWN where the ledger could still be written (a renewal between
+    attempts that failed), else left claimed: once its lease lapses, a KEYED tool is run again
+    with the same key, an UNSAFE one is answered :class:`OutcomeUnknown`. ``str()`` is written
+    for the model.
 
     Attributes:
         key: the intent's idempotency key.
