@@ -464,13 +464,16 @@ class Guard:
     def _failed(
         self, plan: CallPlan, seen: _Seen, flight: Flight, error: BaseException
     ) -> BaseException:
-        """A led call ended in ``error``: land its flight; what its caller gets.
+        """A led call ended in ``error``: land its flight; what its caller gets (``error``, or
+        an error raised from it).
 
         A store error after the work started says the work ran (:class:`OutcomeNotRecorded`);
         an interruption of the work goes on whatever followed it.
         """
         if seen.ran and isinstance(error, StoreError) and not isinstance(error, OutcomeNotRecorded):
-            error = OutcomeNotRecorded(plan.policy.tool, plan.key, str(error))
+            cause = error
+            error = OutcomeNotRecorded(plan.policy.tool, plan.key, str(cause))
+            error.__cause__ = cause
         self._ledger._flights.land(plan.namespace, plan.key, flight, None, _for_joiners(error))
         interrupted = seen.interrupted
         if interrupted is not None and error is not interrupted:
@@ -531,10 +534,7 @@ class Guard:
             protocol = protect(plan, self._recalled(plan), wait_until)
             value = self._drive(protocol, work, plan, bound, seen)
         except BaseException as exc:
-            error = self._failed(plan, seen, flight, exc)
-            if error is not exc:
-                raise error from exc
-            raise
+            raise self._failed(plan, seen, flight, exc)  # noqa: B904 - it is exc, or from it
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
 
@@ -669,10 +669,7 @@ class Guard:
             protocol = protect(plan, self._recalled(plan), wait_until)
             value = await self._adrive(protocol, work, plan, bound, seen)
         except BaseException as exc:
-            error = self._failed(plan, seen, flight, exc)
-            if error is not exc:
-                raise error from exc
-            raise
+            raise self._failed(plan, seen, flight, exc)  # noqa: B904 - it is exc, or from it
         flights.land(plan.namespace, plan.key, flight, value, None)
         return value
 
