@@ -342,6 +342,9 @@ def test_show_prints_the_whole_record(parked: tuple[str, str]) -> None:
     assert "builtins.TimeoutError: the bank did not answer" in out
     assert "reason" in out
     assert "not a history" in out
+    flat = " ".join(out.split())
+    assert f"`twiceshy resolve {key[:16]} --released`" in flat  # how to clear it
+    assert "--succeeded" in flat
     assert record["reason"] == "TimeoutError: the bank did not answer"
     assert record["error"] == {
         "type": "builtins.TimeoutError",
@@ -354,6 +357,7 @@ def test_show_prints_result_and_lease(parked: tuple[str, str]) -> None:
     url, ns = parked
     out = ok(cli(url, ns, "show", Shop.keys["succeeded"])).stdout
     assert '"id": "ch_ok"' in out
+    assert "twiceshy resolve" not in out  # nothing to clear
     out = ok(cli(url, ns, "show", Shop.keys["claimed"][:8])).stdout
     assert "lapsed, deadline" in out
     claimed = shown(url, ns, Shop.keys["claimed"])

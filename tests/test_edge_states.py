@@ -223,24 +223,29 @@ def test_a_key_parameter_defaulting_to_empty_text_gets_the_intent_key() -> None:
         assert send("ada@example.com", idempotency_key="chosen") == "chosen"
 
 
-def test_a_reconciler_whose_result_cannot_be_stored_leaves_the_doubt() -> None:
-    """It says the call happened, with a result that has no JSON form: the record cannot say
-    so, and every call is told the outcome is unknown (never the storage error)."""
+def test_a_reconciler_whose_result_cannot_be_stored_records_it_happened() -> None:
+    """It says the call happened, with a result that has no JSON form: recorded as done, and
+    every later call is told that it ran (never that the outcome is unknown, never a rerun)."""
     ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
 
     def reconcile(key: str, arguments: Any) -> twiceshy.Happened:
         return twiceshy.Happened({"took": object()})
 
     @ledger.tool(effect=twiceshy.UNSAFE, reconcile=reconcile)
     def charge(amount: int) -> dict[str, int]:
+        runs.append(amount)
         raise TimeoutError("the gateway did not answer")
 
     with twiceshy.run("run-1"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            charge(4900)
         for _ in range(2):
-            with pytest.raises(twiceshy.OutcomeUnknown):
+            with pytest.raises(twiceshy.ResultNotStorable, match="already ran"):
                 charge(4900)
     (record,) = ledger.store.records("")
-    assert record.state is State.UNKNOWN
+    assert record.state is State.SUCCEEDED
+    assert runs == [4900]
 
 
 class LateClaimAnswer(MemoryStore):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import threading
 import time
 import types
 from collections import Counter
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -19,6 +21,7 @@ import pydantic
 import pytest
 
 import twiceshy
+from twiceshy import State
 from twiceshy.stores import Store
 from twiceshy.stores.memory import MemoryStore
 
@@ -164,19 +167,36 @@ def test_key_reuse_with_other_arguments_never_runs(ledger: twiceshy.Ledger) -> N
 
 
 def test_ignored_arguments_do_not_name_the_intent(ledger: twiceshy.Ledger) -> None:
-    """ignore_args leaves a volatile argument out of the key but still checks it."""
-    runs: list[float] = []
+    """ignore_args leaves a volatile argument out of key and fingerprint: a retry whose
+    requested_at differs replays the first outcome."""
+    runs: list[tuple[int, str]] = []
 
-    @ledger.tool(effect=twiceshy.KEYED, ignore_args=["trace_id"])
-    def act(x: int, trace_id: str) -> int:
-        runs.append(x)
-        return x
+    @ledger.tool(effect=twiceshy.KEYED, ignore_args=["requested_at"])
+    def act(x: int, requested_at: str) -> int:
+        runs.append((x, requested_at))
+        return x * 10
 
     with twiceshy.run("run-5"):
-        act(1, "t1")
+        assert act(1, "12:00:00") == 10
+        assert act(1, requested_at="12:00:07") == 10
+        assert act(2, "12:00:09") == 20
+    assert runs == [(1, "12:00:00"), (2, "12:00:09")]
+
+
+def test_narrowed_keys_still_refuse_other_arguments(ledger: twiceshy.Ledger) -> None:
+    """With key_args, the other arguments must match: KeyReuseMismatch, and nothing runs."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, key_args=["order"])
+    def act(order: str, amount: int) -> int:
+        runs.append(amount)
+        return amount
+
+    with twiceshy.run("run-5b"):
+        assert act("o-1", 5) == 5
         with pytest.raises(twiceshy.KeyReuseMismatch):
-            act(1, "t2")
-    assert runs == [1]
+            act("o-1", 6)
+    assert runs == [5]
 
 
 def test_explicit_key_is_used_and_checked(ledger: twiceshy.Ledger) -> None:
@@ -466,32 +486,95 @@ def test_safe_tool_with_record_replays(ledger: twiceshy.Ledger) -> None:
         assert fetch("u") == fetch("u") == 1
 
 
-def test_result_without_json_form_is_refused_and_recorded(ledger: twiceshy.Ledger) -> None:
-    """A result with no JSON form raises ResultNotStorable; a retry replays that, never reruns."""
-    runs: list[int] = []
+class Handle:
+    """A result with no JSON form."""
 
-    @ledger.tool(effect=twiceshy.UNSAFE)
-    def make() -> object:
-        runs.append(1)
-        return object()
+    def __str__(self) -> str:
+        return "Handle(ch_1)"
+
+
+@dataclasses.dataclass
+class Wrapped:
+    """A dataclass with a field of no JSON form."""
+
+    handle: Handle | None
+
+
+def test_result_without_json_form_is_recorded_as_done(ledger: twiceshy.Ledger) -> None:
+    """The first call gets its result; the record says the tool succeeded; a retry is told it
+    ran, with the result's text, and it never reruns or reads as a failure."""
+    runs: list[int] = []
+    made = Handle()
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def make(amount: int) -> Any:
+        runs.append(amount)
+        return made
 
     with twiceshy.run("run-16"):
-        with pytest.raises(twiceshy.ResultNotStorable):
-            make()
-        with pytest.raises(twiceshy.ReplayedError, match="ResultNotStorable"):
+        assert make(5) is made
+        with pytest.raises(twiceshy.ResultNotStorable) as replay:
+            make(5)
+    text = str(replay.value)
+    assert "already ran for these arguments and succeeded" in text
+    assert "it was not run again" in text
+    assert "Handle(ch_1)" in text
+    assert "try again" not in text.lower()
+    assert replay.value.tool == "make"
+    (record,) = ledger.store.records("")
+    assert record.state is State.SUCCEEDED
+    assert runs == [5]
+
+
+def test_result_over_the_size_bound_is_recorded_as_done(ledger: twiceshy.Ledger) -> None:
+    """A result larger than max_result_bytes is the first caller's; a retry says it ran."""
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, max_result_bytes=1000)
+    def make() -> str:
+        runs.append(1)
+        return "x" * 2000
+
+    with twiceshy.run("run-17"):
+        assert make() == "x" * 2000
+        with pytest.raises(twiceshy.ResultNotStorable, match="max_result_bytes"):
             make()
     assert runs == [1]
 
 
-def test_result_over_the_size_bound_is_refused(ledger: twiceshy.Ledger) -> None:
-    """A result larger than max_result_bytes raises ResultNotStorable."""
+def test_a_result_that_reads_as_the_ledgers_own_marker_replays_as_itself(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A result whose JSON reads like the ledger's note for a result not kept is kept as is."""
+    odd = {"$twiceshy": "not kept", "type": "x", "why": "y", "text": "z"}
 
-    @ledger.tool(effect=twiceshy.KEYED, max_result_bytes=1000)
-    def make() -> str:
-        return "x" * 2000
+    @ledger.tool(effect=twiceshy.KEYED)
+    def make() -> dict[str, str]:
+        return dict(odd)
 
-    with twiceshy.run("run-17"), pytest.raises(twiceshy.ResultNotStorable, match="1000"):
-        make()
+    with twiceshy.run("run-17b"):
+        assert make() == odd
+        assert make() == odd
+
+
+def test_a_return_annotation_with_no_json_form_is_refused_when_declared(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """-> Handle (or a field of that type) is refused at decoration, before anything runs."""
+
+    def charge(amount: int) -> Handle:
+        raise AssertionError("never runs")
+
+    with pytest.raises(twiceshy.ResultNotStorable, match=r"'charge'.*Handle has no JSON form"):
+        ledger.tool(effect=twiceshy.KEYED)(charge)
+
+    def wrapped() -> list[Wrapped]:
+        raise AssertionError("never runs")
+
+    with pytest.raises(twiceshy.ResultNotStorable, match=r"Wrapped\.handle"):
+        ledger.tool(effect=twiceshy.UNSAFE)(wrapped)
+    with pytest.raises(twiceshy.ResultNotStorable):
+        ledger.guard("g", effect=twiceshy.KEYED, returns=Iterator[int])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1293,3 +1376,22 @@ def test_an_owner_within_its_trusted_lease_runs_without_renewing() -> None:
     with twiceshy.run("run-trust-2"):
         assert charge(5) == 5
     assert [w.to for w in writes] == [twiceshy.State.SUCCEEDED]
+
+
+def test_stored_answers_give_the_first_caller_what_every_retry_gets(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """With with_stored_answers(), the call that ran gets the result as stored (a set as a
+    sorted list, a naive datetime as text), exactly what a replay gets; without, the live one."""
+    when = dt.datetime(2026, 12, 1, 9, 30)  # a naive result, on purpose
+
+    def work() -> dict[str, object]:
+        return {"tags": {3, 1, 2}, "when": when}
+
+    plain = ledger.guard("plain", effect=twiceshy.KEYED)
+    stored = ledger.guard("stored", effect=twiceshy.KEYED).with_stored_answers()
+    with twiceshy.run("run-stored"):
+        assert plain.call({}, work) == {"tags": {3, 1, 2}, "when": when}
+        first = stored.call({}, work)
+        again = stored.call({}, work)
+    assert first == again == {"tags": [1, 2, 3], "when": "2026-12-01T09:30:00"}

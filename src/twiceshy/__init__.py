@@ -20,7 +20,7 @@ from ._canonical import canonical_json, idempotency_key
 from ._ledger import Guard, Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
 from ._records import CallEvent, Change, Effect, Outcome, Record, Snapshot, State
-from ._scope import current_key, current_scope, run
+from ._scope import current_key, current_scope, inherited_scope, point_of_no_return, run
 from .errors import (
     FencedOut,
     InProgress,
@@ -30,6 +30,7 @@ from .errors import (
     NotApplied,
     OutcomeNotRecorded,
     OutcomeUnknown,
+    RepeatedRequest,
     ReplayedError,
     ResultNotStorable,
     StoreError,
@@ -74,6 +75,7 @@ __all__ = [
     "OutcomeNotRecorded",
     "OutcomeUnknown",
     "Record",
+    "RepeatedRequest",
     "ReplayedError",
     "ResultNotStorable",
     "Snapshot",
@@ -90,5 +92,7 @@ __all__ = [
     "current_scope",
     "exponential_backoff",
     "idempotency_key",
+    "inherited_scope",
+    "point_of_no_return",
     "run",
 ]

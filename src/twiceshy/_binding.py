@@ -2,22 +2,40 @@
 
 Positional and keyword spellings of one call give one mapping, an omitted parameter with a
 default gives the default, and injected parameters (framework contexts, the key itself) are left
-out. ``key_args=`` / ``ignore_args=`` narrow what names the intent; the full mapping is always kept
-as the fingerprint.
+out. ``key_args=`` narrows what names the intent, the other arguments kept as the fingerprint;
+``ignore_args=`` leaves volatile arguments out of both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._canonical import canonical_json, idempotency_key
+from ._canonical import MAX_BYTES, MAX_DEPTH, _canonical, canonical_digest
 from .errors import UnkeyableValue
 
-__all__ = ["Binder", "BoundCall"]
+__all__ = ["Binder", "BoundCall", "calls_point_of_no_return"]
+
+
+def calls_point_of_no_return(fn: Callable[..., Any]) -> bool:
+    """Whether the code of ``fn`` (or of a function defined inside it) names
+    ``point_of_no_return``: such a tool says where its effect starts (``effect_at="mark"``)."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # an object whose __call__ is the tool
+        call = getattr(type(fn), "__call__", None)  # noqa: B004 - the method, not callable()
+        code = getattr(call, "__code__", None)
+    pending = [code] if isinstance(code, types.CodeType) else []
+    while pending:
+        code = pending.pop()
+        if "point_of_no_return" in code.co_names:
+            return True
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +45,13 @@ class BoundCall:
     Attributes:
         arguments: every argument but the injected ones, defaults applied.
         keyed: the arguments that name the intent (all of them unless narrowed).
+        fingerprinted: the arguments a retry must repeat: all but the ignored ones.
         explicit_key: a key the caller passed through the key parameter, if any.
     """
 
     arguments: dict[str, Any]
     keyed: dict[str, Any]
+    fingerprinted: dict[str, Any]
     explicit_key: str | None
 
     @classmethod
@@ -47,33 +67,50 @@ class BoundCall:
         full = arguments if type(arguments) is dict else dict(arguments)
         if key_args is not None:
             keyed = {k: v for k, v in full.items() if k in key_args}
-        elif ignore_args:
-            keyed = {k: v for k, v in full.items() if k not in ignore_args}
-        else:
-            keyed = full
-        return cls(full, keyed, explicit_key)
+            return cls(full, keyed, full, explicit_key)
+        if ignore_args:
+            kept = {k: v for k, v in full.items() if k not in ignore_args}
+            return cls(full, kept, kept, explicit_key)
+        return cls(full, full, full, explicit_key)
 
-    def identity(self, scope: str | None, tool: str) -> tuple[str | None, str]:
-        """The intent's key (``None`` without a scope) and the full arguments' fingerprint.
+    def identity(
+        self,
+        scope: str | None,
+        tool: str,
+        *,
+        max_depth: int = MAX_DEPTH,
+        max_bytes: int = MAX_BYTES,
+    ) -> tuple[str | None, str]:
+        """The intent's key (``None`` without a scope) and the arguments' fingerprint.
 
         The key is :func:`~twiceshy.idempotency_key` of ``(scope, tool, keyed)``; the fingerprint
-        is the SHA-256 of ``f"{tool}:{canonical_json(arguments)}"``. The canonical text is made
-        once when the key is not narrowed.
+        is the SHA-256 of ``f"{tool}:{canonical_json(fingerprinted)}"``. Where both name the same
+        arguments the canonical text is made once. Narrowed by ``key_args=``, only the keyed
+        arguments are bounded by ``max_bytes``: the others are hashed as their text is written,
+        never held whole.
 
         Raises:
-            UnkeyableArgument: an argument has no canonical form, or the scope cannot be hashed.
+            UnkeyableArgument: an argument has no canonical form (or is beyond ``max_depth`` /
+                ``max_bytes``), or the scope cannot be hashed.
         """
-        text = canonical_json(self.arguments)
-        fingerprint = hashlib.sha256(f"{tool}:{text}".encode()).hexdigest()
+        text, data = _canonical(self.keyed, max_depth, max_bytes)
+        body = text.encode() if data is None else data
+        if self.keyed is self.fingerprinted:
+            digest = hashlib.sha256(f"{tool}:".encode())
+            digest.update(body)
+            fingerprint = digest.hexdigest()
+        else:
+            head = f"{tool}:".encode()
+            fingerprint = canonical_digest(self.fingerprinted, head, max_depth=max_depth)
         if scope is None:
             return None, fingerprint
-        if self.keyed is not self.arguments:
-            return idempotency_key(scope, tool, self.keyed), fingerprint
         try:
-            data = f"{scope}:{tool}:{text}".encode()
+            head = f"{scope}:{tool}:".encode()
         except UnicodeEncodeError:
             raise UnkeyableValue("scope", f"contains a lone surrogate: {scope!r}") from None
-        return hashlib.sha256(data).hexdigest(), fingerprint
+        digest = hashlib.sha256(head)
+        digest.update(body)
+        return digest.hexdigest(), fingerprint
 
 
 class Binder:

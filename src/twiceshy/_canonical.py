@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import re
 import reprlib
+import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from json import dumps as _json_dumps
@@ -40,7 +41,7 @@ from typing import Any, Final
 
 from twiceshy.errors import UnkeyableArgument, UnkeyableType, UnkeyableValue
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "canonical_json", "idempotency_key"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "canonical_digest", "canonical_json", "idempotency_key"]
 
 MAX_DEPTH: Final = 64
 """How many containers (arrays and objects) may nest inside one another."""
@@ -82,9 +83,11 @@ class _Refusal(Exception):
     def to_error(self, max_depth: int, max_bytes: int) -> UnkeyableArgument:
         """Build the public error, with the path from ``args`` down to the refused value."""
         if self.kind == _Refusal.SIZE:
-            return UnkeyableValue(
+            error = UnkeyableValue(
                 "args", f"the canonical form of the arguments is larger than {max_bytes} bytes"
             )
+            error.bound = "max_bytes"
+            return error
         segments = self.segments[::-1]
         values = self.values[::-1]
         if self.kind == _Refusal.DEPTH:
@@ -98,7 +101,9 @@ class _Refusal(Exception):
                         _path(segments[:depth]),
                         f"cycle: this is the same object as {_path(segments[:first])}",
                     )
-            return UnkeyableValue(_path(segments), f"nested more than {max_depth} levels deep")
+            error = UnkeyableValue(_path(segments), f"nested more than {max_depth} levels deep")
+            error.bound = "max_depth"
+            return error
         return self.error(_path(segments), self.reason)
 
 
@@ -177,12 +182,52 @@ def _float_text_slow(x: float, text: str) -> str:
     return sign + body
 
 
-def _int_text(x: int) -> str:
-    """Exact decimal text of an int, past Python's int-to-str digit limit too."""
+def _int_text(x: int, budget: int) -> str:
+    """Exact decimal text of an int, past Python's int-to-str digit limit too.
+
+    An int too long for ``budget`` is refused before it is written out: writing a hostile one
+    (millions of digits) costs seconds even the fast way.
+    """
     try:
         return _int_repr(x)
     except ValueError:  # more digits than sys.get_int_max_str_digits() allows
-        return str(decimal.Decimal(x))
+        pass
+    if x.bit_length() * _LOG10_2 > budget + 1:
+        raise _too_large() from None
+    return _big_int_text(x)
+
+
+_LOG10_2: Final = 0.30102999566398120
+_BIG_PIECE: Final = 4096  # bits converted by Decimal(int) at once
+
+
+def _big_int_text(x: int) -> str:
+    """The decimal text of a big int in about O(n log² n) rather than Python's O(n²): split in
+    halves by powers of two, joined as Decimals (libmpdec multiplies big numbers fast)."""
+    context = decimal.Context(prec=decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+    powers: dict[int, decimal.Decimal] = {}
+
+    def power(bits: int) -> decimal.Decimal:
+        found = powers.get(bits)
+        if found is None:
+            found = powers[bits] = context.power(decimal.Decimal(2), bits)
+        return found
+
+    def convert(n: int, bits: int) -> decimal.Decimal:
+        if bits <= _BIG_PIECE:
+            return decimal.Decimal(n)
+        low_bits = bits >> 1
+        high = n >> low_bits
+        low = n - (high << low_bits)
+        return context.add(
+            context.multiply(convert(high, bits - low_bits), power(low_bits)),
+            convert(low, low_bits),
+        )
+
+    magnitude = abs(x)
+    with decimal.localcontext(context):
+        text = str(convert(magnitude, magnitude.bit_length()))
+    return "-" + text if x < 0 else text
 
 
 def _decimal_text(x: decimal.Decimal, budget: int) -> str:
@@ -240,7 +285,7 @@ def _emit(v: Any, out: list[str], room: int, budget: int) -> int:
         out.append(_quote(v))
         return budget
     if t is int:
-        out.append(_int_text(v))
+        out.append(_int_text(v, budget))
         return budget
     if t is float:
         out.append(_float_text(v))
@@ -317,7 +362,7 @@ def _emit_dict(d: dict[Any, Any], out: list[str], room: int, budget: int) -> int
             # the same iterator (caught here, it costs the per-item path nothing).
             if type(x) is not int:
                 raise
-            append(p + _int_text(x))
+            append(p + _int_text(x, budget))
             continue
         except _Refusal as refusal:
             refusal.passing(_key_segment(k), d)
@@ -412,7 +457,7 @@ def _emit_list(v: list[Any] | tuple[Any, ...], out: list[str], room: int, budget
         except ValueError:
             if type(x) is not int:  # see _emit_dict
                 raise
-            append(sep + _int_text(x))
+            append(sep + _int_text(x, budget))
             sep = ","
             continue
         except _Refusal as refusal:
@@ -492,7 +537,7 @@ def _emit_other(v: object, out: list[str], room: int, budget: int) -> int:
     if isinstance(v, str):
         return _emit(str.__str__(v), out, room, budget)
     if isinstance(v, int):  # bool is handled (and can't be subclassed)
-        out.append(_int_text(v))
+        out.append(_int_text(v, budget))
         return budget
     if isinstance(v, float):
         out.append(_float_text(v))
@@ -550,7 +595,7 @@ def _key_text(key: object) -> str:
     if isinstance(key, str):
         return str.__str__(key)
     if isinstance(key, int) and not isinstance(key, bool):
-        return _int_text(key)
+        return _int_text(key, MAX_BYTES)
     if isinstance(key, enum.Enum):
         return _key_text(key.value)
     raise _Refusal(
@@ -642,6 +687,56 @@ def _canonical(value: object, max_depth: int, max_bytes: int) -> tuple[str, byte
     if len(data) > max_bytes:
         raise _too_large().to_error(max_depth, max_bytes)
     return text, data
+
+
+class _Digest(list[str]):
+    """Where the recursive pass writes when only the text's SHA-256 is wanted: the text is
+    hashed in pieces as it is written, never held whole (a large document's fingerprint)."""
+
+    __slots__ = ("_hash", "_size")
+
+    _PIECE: Final = 65536  # characters hashed at once
+
+    def __init__(self, head: bytes) -> None:
+        super().__init__()
+        self._hash = hashlib.sha256(head)
+        self._size = 0
+
+    def append(self, text: str) -> None:
+        list.append(self, text)
+        self._size += len(text)
+        if self._size > self._PIECE:
+            self.flush()
+
+    def flush(self) -> None:
+        # A surrogate pair never spans two pieces (each piece holds whole JSON strings), so
+        # mending piece by piece writes the text the whole would.
+        self._hash.update(_mend_surrogates("".join(self)).encode("utf-8"))
+        self.clear()
+        self._size = 0
+
+    def hexdigest(self) -> str:
+        self.flush()
+        return self._hash.hexdigest()
+
+
+def canonical_digest(value: object, head: bytes, *, max_depth: int = MAX_DEPTH) -> str:
+    """The hex SHA-256 of ``head`` followed by the UTF-8 canonical text of ``value``, with no
+    bound on the text's size, computed without holding the text.
+
+    Raises:
+        UnkeyableArgument: as :func:`canonical_json`, but never for the size.
+    """
+    sink = _Digest(head)
+    try:
+        _emit(value, sink, max_depth, sys.maxsize)
+    except _Refusal as refusal:
+        raise refusal.to_error(max_depth, sys.maxsize) from None
+    except RecursionError:
+        raise UnkeyableValue(
+            "args", "nested too deeply for Python's recursion limit (is there a cycle?)"
+        ) from None
+    return sink.hexdigest()
 
 
 def canonical_json(value: object, *, max_depth: int = MAX_DEPTH, max_bytes: int = MAX_BYTES) -> str:

@@ -11,6 +11,11 @@ refused.
 Stored data the annotation cannot rebuild (an operator's ``twiceshy resolve --succeeded``, a
 reconciler's result, a tool that returned another type) replays as the JSON it is, never as an
 error: an error there would answer every retry of the intent with it.
+
+A return annotation with no JSON form (a plain class, a callable, an iterator) is refused when the
+tool is declared (:func:`unstorable`). A result that still cannot be kept once the tool has run
+is recorded as done all the same (:func:`not_kept`): its type, why, and a bounded text of it; a
+retry is told so (:class:`NotKept`), never that the tool failed.
 """
 
 from __future__ import annotations
@@ -34,15 +39,55 @@ from .errors import ResultNotStorable
 
 __all__ = [
     "MAX_RESULT_BYTES",
+    "NotKept",
     "ResultCodec",
     "ReturnOf",
     "decode_error",
     "encode_error",
+    "not_kept",
     "type_name",
+    "unstorable",
 ]
 
 MAX_RESULT_BYTES = 1_048_576
 """The default bound on a stored result's JSON text, in UTF-8 bytes."""
+
+_MARK: Final = "$twiceshy"
+"""The key of the one-key objects that stand for what is not a result as such: a result that
+was not kept, or a result whose own text would read as such an object."""
+_MARKED: Final = '{"$twiceshy":'
+_KEPT_TEXT: Final = 1000
+"""How many characters of a result that could not be kept are kept, as text."""
+
+
+class NotKept(Exception):
+    """Raised by :meth:`ResultCodec.decode` for a result recorded as not kept.
+
+    Attributes:
+        type_name: the result's type, qualified.
+        why: why it could not be kept.
+        text: the first characters of its ``str()``.
+    """
+
+    def __init__(self, type_name: str, why: str, text: str) -> None:
+        super().__init__(why)
+        self.type_name = type_name
+        self.why = why
+        self.text = text
+
+
+def not_kept(value: object, why: str) -> str:
+    """The stored text for a result of a tool that ran and could not be kept as JSON."""
+    try:
+        text = str(value)
+    except Exception:
+        text = ""
+    if len(text) > _KEPT_TEXT:
+        text = text[:_KEPT_TEXT] + "..."
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else type_name(kind)
+    data = {_MARK: "not kept", "type": name, "why": why, "text": text}
+    return json.dumps(data)  # ASCII escapes: any text is storable
 
 
 _AS_IS: frozenset[Any] = frozenset(
@@ -70,7 +115,7 @@ def _to_json(value: Any) -> Any:
         return sorted(value, key=lambda v: json.dumps(v, default=_to_json, sort_keys=True))
     if isinstance(value, Mapping):
         return dict(value)
-    raise TypeError(f"a {type(value).__name__} has no JSON form")
+    raise TypeError(f"{type(value).__qualname__} has no JSON form")
 
 
 # Made once: json.dumps with options builds a new encoder for every call.
@@ -97,9 +142,16 @@ class ResultCodec:
     __slots__ = ("_max_bytes", "_rebuild")
 
     def __init__(self, annotation: Any = None, *, max_bytes: int = MAX_RESULT_BYTES) -> None:
-        self._rebuild = (
-            _deferred(annotation) if isinstance(annotation, ReturnOf) else _rebuilder(annotation)
-        )
+        if isinstance(annotation, ReturnOf):
+            annotation = annotation.resolved()
+        self._rebuild: Rebuild | None
+        if isinstance(annotation, ReturnOf):
+            self._rebuild = _deferred(annotation)
+        else:
+            reason = unstorable(annotation)
+            if reason is not None:
+                raise ResultNotStorable(reason)
+            self._rebuild = _rebuilder(annotation)
         self._max_bytes = max_bytes
 
     def encode(self, value: object) -> str:
@@ -128,13 +180,26 @@ class ResultCodec:
                 size = len(text)
         if size > self._max_bytes:
             raise ResultNotStorable(
-                f"the tool's result is larger than the bound of {self._max_bytes} bytes"
+                f"the tool's result is larger than the bound of {self._max_bytes} bytes "
+                "(max_result_bytes=)"
             )
+        if text.startswith(_MARKED):
+            # A result whose own text reads as a marked object: kept inside one, as a value.
+            text = f'{{"{_MARK}":"value","value":{text}}}'
         return text
 
     def decode(self, text: str) -> Any:
-        """The replayed result: the stored JSON, rebuilt as the annotated type where it can be."""
+        """The replayed result: the stored JSON, rebuilt as the annotated type where it can be.
+
+        Raises:
+            NotKept: the tool ran, and its result was recorded as not kept.
+        """
         data = json.loads(text)
+        if text.startswith(_MARKED) and type(data) is dict and len(data) >= 2:
+            if data.get(_MARK) == "value":
+                data = data["value"]
+            elif data.get(_MARK) == "not kept":
+                raise NotKept(str(data.get("type")), str(data.get("why")), str(data.get("text")))
         if self._rebuild is None:
             return data
         try:
@@ -152,6 +217,129 @@ class ReturnOf:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
+
+    def resolved(self) -> Any:
+        """The annotation itself where it can be read now, else this object."""
+        try:
+            return typing.get_type_hints(self.fn, include_extras=True).get("return")
+        except Exception:
+            return self
+
+
+def unstorable(hint: Any) -> str | None:
+    """Why results annotated ``hint`` could never be kept as JSON, or ``None`` when they can be.
+
+    Only what is sure to fail is refused: a plain class with no JSON form, a callable, an
+    iterator or a coroutine, also inside containers, unions and the fields of dataclasses,
+    TypedDicts and named tuples. What cannot be read (a forward reference, a type variable)
+    passes; its values are checked when stored.
+    """
+    return _unstorable(hint, set())
+
+
+_NO_JSON_ORIGINS: Final = frozenset(
+    {
+        collections.abc.Callable,
+        collections.abc.Iterator,
+        collections.abc.Generator,
+        collections.abc.AsyncIterator,
+        collections.abc.AsyncIterable,
+        collections.abc.AsyncGenerator,
+        collections.abc.Awaitable,
+        collections.abc.Coroutine,
+        type,
+    }
+)
+
+_JSON_CLASSES: Final = (
+    str,
+    int,
+    float,
+    bool,
+    list,
+    tuple,
+    dict,
+    set,
+    frozenset,
+    collections.abc.Mapping,
+    dt.date,
+    dt.time,
+    Decimal,
+    uuid.UUID,
+    bytes,
+    bytearray,
+    enum.Enum,
+    type(None),
+)
+
+
+def _unstorable(hint: Any, seen: set[int]) -> str | None:
+    try:
+        if hint in _AS_IS:
+            return None
+    except TypeError:
+        pass
+    if isinstance(hint, str | typing.ForwardRef | typing.TypeVar) or hint is typing.NoReturn:
+        return None
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Annotated or origin in _FIELD_WRAPPERS:
+        return _unstorable(args[0], seen)
+    if origin is typing.Literal:
+        return None
+    if origin in _NO_JSON_ORIGINS or hint in _NO_JSON_ORIGINS:
+        return f"{_hint_name(hint)} has no JSON form"
+    if origin is not None:
+        if (
+            isinstance(origin, type)
+            and origin not in _CONTAINERS
+            and not _json_class(origin)
+            and not dataclasses.is_dataclass(origin)
+            and not hasattr(origin, "model_fields")
+        ):
+            return f"{origin.__qualname__} has no JSON form"
+        for arg in args:
+            if arg is not Ellipsis and not isinstance(arg, list):
+                reason = _unstorable(arg, seen)
+                if reason is not None:
+                    return reason
+        return None
+    if not isinstance(hint, type):
+        return None  # something typing-specific that cannot be read: checked when stored
+    if id(hint) in seen:
+        return None
+    seen.add(id(hint))
+    if _json_class(hint) or (hasattr(hint, "model_fields") and hasattr(hint, "model_dump")):
+        if issubclass(hint, dict | tuple) or dataclasses.is_dataclass(hint):
+            return _fields_unstorable(hint, seen)
+        return None
+    if dataclasses.is_dataclass(hint):
+        return _fields_unstorable(hint, seen)
+    return f"{hint.__qualname__} has no JSON form"
+
+
+def _json_class(cls: type) -> bool:
+    return issubclass(cls, _JSON_CLASSES)
+
+
+def _fields_unstorable(cls: type, seen: set[int]) -> str | None:
+    """Why a field of a dataclass, TypedDict or named tuple could never be kept, if one can't."""
+    if not (
+        dataclasses.is_dataclass(cls)
+        or hasattr(cls, "__required_keys__")
+        or hasattr(cls, "_fields")
+    ):
+        return None
+    for name, hint in _field_hints(cls, {}).items():
+        reason = _unstorable(hint, seen)
+        if reason is not None:
+            return f"{reason} (field {cls.__qualname__}.{name})"
+    return None
+
+
+def _hint_name(hint: Any) -> str:
+    origin = typing.get_origin(hint) or hint
+    return str(getattr(origin, "__qualname__", None) or getattr(hint, "_name", None) or hint)
 
 
 Rebuild = Callable[[Any], Any]
@@ -215,6 +403,19 @@ _FIELD_WRAPPERS: Final = frozenset(
     w for w in (getattr(typing, n, None) for n in ("Required", "NotRequired", "ReadOnly")) if w
 )
 """A TypedDict field's qualifiers, around the field's type."""
+
+_CONTAINERS: Final = frozenset(
+    {
+        typing.Union,
+        types.UnionType,
+        collections.abc.Set,
+        collections.abc.MutableSet,
+        collections.abc.Mapping,
+        collections.abc.MutableMapping,
+    }
+    | _LIST_LIKE
+)
+"""Generic origins whose arguments say whether their values can be kept."""
 
 
 def _class_rebuilder(cls: type, params: Mapping[Any, Any]) -> Rebuild | None:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._forks import reset_in_children
-from ._protocol import renewal
+from ._protocol import LEASE_TRUST, renewal
+from ._records import Effect
+from .errors import FencedOut
 from .stores import Store
 
 __all__ = ["Flight", "Flights", "Heartbeat", "Renewal"]
@@ -147,7 +149,11 @@ class Flights:
 
 @dataclass(eq=False, slots=True)
 class Renewal:
-    """The lease of one running call, renewed by the heartbeat until stopped."""
+    """The lease of one running call, renewed by the heartbeat until stopped.
+
+    ``trusted_until`` (monotonic) is when the owner stops trusting the lease: part of it from
+    when the last renewal that took effect was sent.
+    """
 
     namespace: str
     key: str
@@ -155,6 +161,7 @@ class Renewal:
     owner: str
     lease: float
     due: float
+    trusted_until: float = math.inf
     lost: bool = False
     stopped: bool = False
     seq: int = field(default=0)
@@ -198,14 +205,43 @@ class Heartbeat:
         fence: int,
         owner: str,
         lease: float,
-        renew_by: float = math.inf,
+        trusted_until: float = math.inf,
     ) -> Renewal:
-        """Begin renewing a lease: first a third of it from now, or at ``renew_by`` (monotonic)
-        if that is sooner."""
-        due = min(time.monotonic() + lease / 3, renew_by)
-        job = Renewal(namespace, key, fence, owner, lease, due)
+        """Begin renewing a lease: first a third of it from now, or when the owner's trust in it
+        ends (``trusted_until``, monotonic) if that is sooner."""
+        due = min(time.monotonic() + lease / 3, trusted_until)
+        job = Renewal(namespace, key, fence, owner, lease, due, trusted_until)
         self._schedule(job)
         return job
+
+    def confirm(self, job: Renewal, effect: Effect, tool: str) -> None:
+        """Make sure ``job``'s call still holds its lease before its effect starts.
+
+        Within the owner's trust nothing is asked; past it, the lease is renewed under the
+        call's fence now (an UNSAFE owner also takes back its own record marked UNKNOWN by a
+        lapse).
+
+        Raises:
+            FencedOut: the lease was lost: another caller may own the intent.
+            StoreError: the store could not be asked.
+        """
+        take_back = effect is Effect.UNSAFE
+        if job.lost and not take_back:
+            raise FencedOut(tool, job.key)
+        if not job.lost and time.monotonic() < job.trusted_until:
+            return
+        # An UNSAFE owner's renewal may have been refused only because a duplicate marked its
+        # own fence UNKNOWN when the lease lapsed: taking it back is then still the owner's.
+        sent = time.monotonic()
+        change = renewal(job.fence, job.owner, job.lease, take_back=take_back)
+        if not self._store.write(job.namespace, job.key, change).won:
+            job.lost = True
+            raise FencedOut(tool, job.key)
+        job.trusted_until = max(job.trusted_until, sent + LEASE_TRUST * job.lease)
+        if job.lost:  # the heartbeat gave it up: renew it again from now on
+            job.lost = False
+            job.due = time.monotonic() + job.lease / 3
+            self._schedule(job)
 
     def _schedule(self, job: Renewal) -> None:
         """Put ``job`` on the heap for its ``due`` time; start or wake the thread if needed."""
@@ -259,6 +295,7 @@ class Heartbeat:
             self._schedule(job)
 
     def _renew(self, job: Renewal) -> None:
+        sent = time.monotonic()
         try:
             snap = self._store.write(
                 job.namespace, job.key, renewal(job.fence, job.owner, job.lease)
@@ -273,3 +310,5 @@ class Heartbeat:
             log.warning(
                 "twiceshy: the lease of key %s was taken over (fence %d)", job.key, job.fence
             )
+            return
+        job.trusted_until = max(job.trusted_until, sent + LEASE_TRUST * job.lease)

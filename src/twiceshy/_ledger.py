@@ -24,12 +24,12 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from contextvars import Token
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Final, ParamSpec, TypeVar, cast
+from typing import Any, Final, Literal, ParamSpec, TypeVar, cast
 
-from ._binding import Binder, BoundCall
+from ._binding import Binder, BoundCall, calls_point_of_no_return
+from ._canonical import MAX_BYTES, MAX_DEPTH
 from ._codec import MAX_RESULT_BYTES, ResultCodec, ReturnOf
 from ._inflight import Flight, Flights, Heartbeat, Renewal
 from ._memo import Remembered
@@ -57,7 +57,7 @@ from ._protocol import (
     settle,
 )
 from ._records import CallEvent, Effect, Outcome, Record, Snapshot, State
-from ._scope import Current, current_scope, reset_call, set_call
+from ._scope import CallTokens, Current, entered_scope, reset_call, set_call
 from ._tally import Tally
 from .errors import (
     InProgress,
@@ -66,8 +66,10 @@ from .errors import (
     NotApplied,
     OutcomeNotRecorded,
     OutcomeUnknown,
+    ResultNotStorable,
     StoreError,
     UnkeyableArgument,
+    clearing,
 )
 from .stores import AsyncStore, CallCounts, Store, default_url, open_store
 
@@ -245,6 +247,8 @@ class Guard:
         "_ignore_args",
         "_key_args",
         "_ledger",
+        "_max_bytes",
+        "_max_depth",
         "_reconcile",
         "_scope",
         "policy",
@@ -261,9 +265,14 @@ class Guard:
         scope: Callable[[Mapping[str, Any]], str] | None,
         key_args: Collection[str] | None,
         ignore_args: Collection[str],
+        max_arg_bytes: int = MAX_BYTES,
+        max_arg_depth: int = MAX_DEPTH,
     ) -> None:
         if key_args is not None and ignore_args:
             raise ValueError("give key_args= or ignore_args=, not both")
+        for option, bound in (("max_arg_bytes", max_arg_bytes), ("max_arg_depth", max_arg_depth)):
+            if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+                raise ValueError(f"{option}= must be a whole number of at least 1")
         self._ledger = ledger
         self.policy = policy
         self.recorded = recorded
@@ -271,6 +280,8 @@ class Guard:
         self._scope = scope
         self._key_args = frozenset(key_args) if key_args is not None else None
         self._ignore_args = frozenset(ignore_args)
+        self._max_bytes = max_arg_bytes
+        self._max_depth = max_arg_depth
 
     @property
     def name(self) -> str:
@@ -334,25 +345,53 @@ class Guard:
         *,
         definite: Collection[type[BaseException]] = (),
         not_applied: Collection[type[BaseException]] = (),
+        wrappers: Collection[type[BaseException]] = (),
     ) -> Guard:
         """This guard, reading more exception types as certain failures or as "nothing happened".
 
         For adapters: a framework's own "the tool failed for certain" exception can be added to a
-        guard the user built, without rebuilding it.
+        guard the user built, without rebuilding it. ``wrappers`` are a framework's exception
+        types that carry the tool's own error as their ``__cause__``: an unknown outcome's reason
+        names that error, never the wrapper.
         """
-        policy = dataclasses.replace(
-            self.policy,
+        return self._replaced(
             definite=(*self.policy.definite, *definite),
             not_applied=(*self.policy.not_applied, *not_applied),
+            wrappers=(*self.policy.wrappers, *wrappers),
         )
+
+    def with_stored_answers(self) -> Guard:
+        """This guard, answering the call that runs the tool with its result as stored.
+
+        Every retry gets the stored result, rebuilt as the return type; with this, the first
+        caller gets the same (a result that could not be kept excepted: the first caller gets
+        it as it was). For adapters whose model reads a text made from the result: it then reads
+        the same text on the first call and on every retry.
+        """
+        return self._replaced(answer_stored=True)
+
+    def key_for(
+        self, arguments: Mapping[str, Any], *, scope: str | None = None, key: str | None = None
+    ) -> str:
+        """The key a call of this tool with ``arguments`` goes by (as :meth:`call` derives it).
+
+        Raises:
+            MissingScope, UnkeyableArgument: as :meth:`call`, before anything runs.
+        """
+        return self._plan(self.bind(arguments, key=key), scope).key
+
+    def _replaced(self, **policy: Any) -> Guard:
+        """This guard with ``policy`` fields replaced (a guard is immutable)."""
         return Guard(
             self._ledger,
-            policy,
+            dataclasses.replace(self.policy, **policy),
             recorded=self.recorded,
             reconcile=self._reconcile,
             scope=self._scope,
             key_args=self._key_args,
             ignore_args=self._ignore_args,
+            max_arg_bytes=self._max_bytes,
+            max_arg_depth=self._max_depth,
         )
 
     def settle(self, key: str) -> Record | None:
@@ -412,26 +451,59 @@ class Guard:
     # -- shared, no I/O --------------------------------------------------------------------
 
     def _plan(self, bound: BoundCall, scope: str | None) -> CallPlan:
-        """Key and plan one call; every refusal happens here, before anything runs."""
+        """Key and plan one call; every refusal happens here, before anything runs.
+
+        The scope is, in this order: the one given; an enclosing ``twiceshy.run(...)``; the
+        ``scope=`` function of the arguments; the scope inherited from an enclosing protected
+        call (its nested runs' scope).
+        """
         name = self.policy.tool
-        if bound.explicit_key is not None:
-            key, fingerprint = bound.explicit_key, bound.identity(None, name)[1]
-        else:
-            if scope is None:
-                scope = current_scope()
-            if scope is None and self._scope is not None:
-                scope = self._scope(bound.arguments)
-            if not scope or not isinstance(scope, str):
-                raise MissingScope(
-                    f"the tool {name!r} was called outside any twiceshy.run(...) scope; wrap "
-                    "the agent's run in `with twiceshy.run(run_id):` so retries of one intent "
-                    "share a key"
+        try:
+            if bound.explicit_key is not None:
+                key = bound.explicit_key
+                fingerprint = bound.identity(
+                    None, name, max_depth=self._max_depth, max_bytes=self._max_bytes
+                )[1]
+            else:
+                if scope is None:
+                    entered = entered_scope()
+                    if entered is not None and not entered[1]:
+                        scope = entered[0]
+                    elif self._scope is not None:
+                        scope = self._scope(bound.arguments)
+                    if scope is None and entered is not None:
+                        scope = entered[0]
+                if not scope or not isinstance(scope, str):
+                    raise MissingScope(
+                        f"the tool {name!r} was called outside any twiceshy.run(...) scope; wrap "
+                        "the agent's run in `with twiceshy.run(run_id):` so retries of one intent "
+                        "share a key"
+                    )
+                derived, fingerprint = bound.identity(
+                    scope, name, max_depth=self._max_depth, max_bytes=self._max_bytes
                 )
-            derived, fingerprint = bound.identity(scope, name)
-            assert derived is not None
-            key = derived
+                assert derived is not None
+                key = derived
+        except UnkeyableArgument as refusal:
+            if refusal.bound is None:
+                raise
+            raise self._beyond(refusal) from None
         ledger = self._ledger
         return CallPlan(self.policy, ledger.namespace, key, fingerprint, ledger._owner_token())
+
+    def _beyond(self, refusal: UnkeyableArgument) -> UnkeyableArgument:
+        """A refusal by a bound, saying which option of the tool lifts it."""
+        if refusal.bound == "max_bytes":
+            hint = (
+                f"raise the tool's max_arg_bytes= (now {self._max_bytes}), or name the "
+                "arguments that make the intent with key_args= (the others are then only "
+                "fingerprinted, with no bound)"
+            )
+        else:
+            hint = f"raise the tool's max_arg_depth= (now {self._max_depth})"
+        error = type(refusal)(refusal.path, f"{refusal.reason}: {hint}")
+        error.bound = refusal.bound
+        return error
 
     def _join(self, plan: CallPlan, seen: _Seen) -> tuple[Flight, bool]:
         """This process's flight of the intent, and whether this call leads it."""
@@ -449,7 +521,7 @@ class Guard:
         """A joined call's answer once its flight landed: ``(True, outcome)``, or ``(False,
         None)`` when the leader was interrupted and this call must go to the ledger itself."""
         if not landed:
-            raise InProgress(plan.policy.tool, plan.key)
+            raise InProgress(plan.policy.tool, plan.key, here=True)
         try:
             return True, flight.outcome()
         except _LeaderInterrupted:
@@ -480,19 +552,27 @@ class Guard:
             raise interrupted from error
         return error
 
-    def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Token[Current | None]]:
+    def _enter(self, plan: CallPlan, command: Run) -> tuple[Renewal, Current, CallTokens]:
         """Start renewing the lease and make the call current, before the work runs."""
-        job = self._ledger._heartbeat.start(
-            plan.namespace, plan.key, command.fence, plan.owner, plan.policy.lease, command.renew_by
+        heartbeat, policy = self._ledger._heartbeat, plan.policy
+        job = heartbeat.start(
+            plan.namespace, plan.key, command.fence, plan.owner, policy.lease, command.trusted_until
         )
         try:
-            return job, set_call(Current(plan.key, plan.policy.tool, plan.policy.effect))
+            current = Current(
+                plan.key,
+                policy.tool,
+                policy.effect,
+                effect_at=policy.effect_at,
+                confirm=functools.partial(heartbeat.confirm, job, policy.effect, policy.tool),
+            )
+            return job, current, set_call(current)
         except BaseException:  # Ctrl-C right here: no renewal may outlive the call
-            self._ledger._heartbeat.stop(job)
+            heartbeat.stop(job)
             raise
 
-    def _leave(self, job: Renewal, token: Token[Current | None]) -> None:
-        reset_call(token)
+    def _leave(self, job: Renewal, tokens: CallTokens) -> None:
+        reset_call(tokens)
         self._ledger._heartbeat.stop(job)
 
     # -- the blocking driver ---------------------------------------------------------------
@@ -529,7 +609,7 @@ class Guard:
             if done:
                 return value
         else:
-            raise InProgress(plan.policy.tool, plan.key)
+            raise InProgress(plan.policy.tool, plan.key, here=True)
         try:
             protocol = protect(plan, self._recalled(plan), wait_until)
             value = self._drive(protocol, work, plan, bound, seen)
@@ -595,17 +675,17 @@ class Guard:
                 return Ran(value=work(""))
             except Exception as exc:
                 return Ran(error=exc)
-        job, token = self._enter(plan, command)  # an interruption here: the work never ran
+        job, current, tokens = self._enter(plan, command)  # interrupted here: it never ran
         seen.ran = True
         try:
             value = work(plan.key)
         except Exception as exc:
-            return Ran(error=exc)
+            return Ran(error=exc, marked=current.marked)
         except BaseException as exc:  # the protocol records the doubt, then raises it again
             seen.interrupted = exc
-            return Ran(error=exc)
+            return Ran(error=exc, marked=current.marked)
         finally:
-            self._leave(job, token)
+            self._leave(job, tokens)
         if inspect.isawaitable(value):
             # An async tool protected as a blocking one (a plain decorator around an async def):
             # nothing has run yet, and nothing will. Released, with an error that says why.
@@ -664,7 +744,7 @@ class Guard:
             if done:
                 return value
         else:
-            raise InProgress(plan.policy.tool, plan.key)
+            raise InProgress(plan.policy.tool, plan.key, here=True)
         try:
             protocol = protect(plan, self._recalled(plan), wait_until)
             value = await self._adrive(protocol, work, plan, bound, seen)
@@ -766,17 +846,17 @@ class Guard:
                 return Ran(value=await work(""))
             except Exception as exc:
                 return Ran(error=exc)
-        job, token = self._enter(plan, command)  # an interruption here: the work never ran
+        job, current, tokens = self._enter(plan, command)  # interrupted here: it never ran
         seen.ran = True
         try:
             value = await work(plan.key)
         except Exception as exc:
-            return Ran(error=exc)
+            return Ran(error=exc, marked=current.marked)
         except BaseException as exc:  # the protocol records the doubt, then raises it again
             seen.interrupted = exc
-            return Ran(error=exc)
+            return Ran(error=exc, marked=current.marked)
         finally:
-            self._leave(job, token)
+            self._leave(job, tokens)
         return Ran(value=value)
 
 
@@ -1005,7 +1085,8 @@ class Ledger:
                 event.key,
                 event.effect.value,
                 event.duration * 1000,
-                f" error={describe(error)}" if error is not None else "",
+                (f" error={describe(error)}" if error is not None else "")
+                + (f" {clearing(key)}" if outcome is Outcome.UNKNOWN and key else ""),
                 extra={
                     "twiceshy_tool": event.tool,
                     "twiceshy_key": event.key,
@@ -1079,11 +1160,18 @@ class Ledger:
         scope: Callable[[Mapping[str, Any]], str] | None = None,
         returns: Any = None,
         max_result_bytes: int = MAX_RESULT_BYTES,
+        effect_at: Literal["mark", "http"] | None = None,
+        max_arg_bytes: int = MAX_BYTES,
+        max_arg_depth: int = MAX_DEPTH,
     ) -> Guard:
         """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
 
         ``returns`` is the type results are rebuilt as on replay (the decorator takes it from
-        the function's return annotation).
+        the function's return annotation). ``effect_at`` has no ``"auto"`` here: there is no
+        function to read.
+
+        Raises:
+            ResultNotStorable: ``returns`` has no JSON form.
         """
         if not isinstance(effect, Effect):
             raise TypeError("effect= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
@@ -1100,6 +1188,17 @@ class Ledger:
         lease_s = _seconds(lease, "lease")
         if lease_s <= 0:
             raise ValueError("lease= must be positive")
+        if effect_at not in (None, "mark", "http"):
+            raise ValueError(f"effect_at= must be 'mark', 'http' or None, not {effect_at!r}")
+        try:
+            codec = ResultCodec(returns, max_bytes=max_result_bytes)
+        except ResultNotStorable as exc:
+            raise ResultNotStorable(
+                f"the tool {name!r} is declared to return what the ledger cannot keep: {exc}. "
+                "Return JSON types, a dataclass, a TypedDict, a named tuple or a pydantic model "
+                "(or convert the result first); nothing has run",
+                tool=name,
+            ) from None
         policy = Policy(
             tool=name,
             effect=effect,
@@ -1110,8 +1209,9 @@ class Ledger:
             backoff=backoff or exponential_backoff(),
             definite=tuple(definite),
             not_applied=tuple(not_applied),
-            codec=ResultCodec(returns, max_bytes=max_result_bytes),
+            codec=codec,
             reconcile=reconcile is not None,
+            effect_at=effect_at,
         )
         return Guard(
             self,
@@ -1121,6 +1221,8 @@ class Ledger:
             scope=scope,
             key_args=key_args,
             ignore_args=ignore_args,
+            max_arg_bytes=max_arg_bytes,
+            max_arg_depth=max_arg_depth,
         )
 
     def tool(
@@ -1143,6 +1245,9 @@ class Ledger:
         key_param: str = "idempotency_key",
         inject: Collection[str] = (),
         max_result_bytes: int = MAX_RESULT_BYTES,
+        effect_at: Literal["auto", "mark", "http"] | None = "auto",
+        max_arg_bytes: int = MAX_BYTES,
+        max_arg_depth: int = MAX_DEPTH,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Protect a tool (``def`` or ``async def``); the decorated tool keeps its signature.
 
@@ -1169,10 +1274,23 @@ class Ledger:
             scope: derive the scope from the call's arguments when no ``twiceshy.run`` is active.
             key_param: the parameter through which the key is injected, if the tool has it.
             inject: parameters a framework fills in (contexts), left out of the key.
-            max_result_bytes: the bound on a stored result.
+            max_result_bytes: the bound on a stored result. A result beyond it (or with no JSON
+                form) is recorded as done all the same, and a retry is told so
+                (:class:`~twiceshy.ResultNotStorable`).
+            effect_at: where the tool's effect starts, so that an exception raised before it
+                means nothing happened (the intent is released, the next call runs it):
+                ``"mark"``, where the tool calls :func:`twiceshy.point_of_no_return`; ``"http"``,
+                at its first request through a twiceshy HTTP transport (or an earlier
+                ``point_of_no_return()``); ``None``, unsaid (any exception may follow an effect).
+                ``"auto"`` (the default) is ``"mark"`` when the tool's own code calls
+                ``point_of_no_return``, else ``None``.
+            max_arg_bytes: the largest canonical text of the arguments that name the intent, in
+                UTF-8 bytes (1 MiB by default); with ``key_args=`` it bounds only those.
+            max_arg_depth: how deeply containers in the arguments may nest (64 by default).
 
         Raises:
             ValueError: an option is out of range or names parameters the tool lacks.
+            ResultNotStorable: the return annotation has no JSON form.
         """
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
@@ -1186,6 +1304,9 @@ class Ledger:
             binder = Binder(
                 fn, key_param=key_param, inject=inject, key_args=key_args, ignore_args=ignore_args
             )
+            where = effect_at
+            if where == "auto":
+                where = "mark" if calls_point_of_no_return(fn) else None
             guard = self.guard(
                 name or fn.__name__,
                 effect=effect,
@@ -1203,6 +1324,9 @@ class Ledger:
                 scope=scope,
                 returns=returns,
                 max_result_bytes=max_result_bytes,
+                effect_at=where,
+                max_arg_bytes=max_arg_bytes,
+                max_arg_depth=max_arg_depth,
             )
             if is_async:
                 wrapper = _async_tool(cast("Callable[..., Awaitable[Any]]", fn), guard, binder)

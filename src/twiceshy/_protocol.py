@@ -12,13 +12,14 @@ for is built by :func:`_change`, which refuses one the table does not allow.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-from ._codec import ResultCodec, decode_error, encode_error, type_name
+from ._codec import NotKept, ResultCodec, decode_error, encode_error, not_kept, type_name
 from ._records import Change, Effect, Outcome, Record, Snapshot, State
 from .errors import (
     InProgress,
@@ -29,6 +30,8 @@ from .errors import (
     ResultNotStorable,
     StoreError,
 )
+
+log = logging.getLogger("twiceshy")
 
 __all__ = [
     "TRANSITIONS",
@@ -111,11 +114,18 @@ _ONLY: Final = {state: frozenset({state}) for state in State}
 _NOBODY: Final[frozenset[Actor]] = frozenset()
 
 
-def renewal(fence: int, owner: str, lease: float) -> Change:
-    """The heartbeat's write: the owner of ``fence`` moves its lease deadline to now + ``lease``."""
-    if Actor.OWNER not in TRANSITIONS[(_C, _C)]:  # pragma: no cover - the table allows it
-        raise AssertionError("the owner may not renew its lease")
-    return Change(fence=fence, from_states=frozenset({_C}), to=_C, owner=owner, lease=lease)
+def renewal(fence: int, owner: str, lease: float, *, take_back: bool = False) -> Change:
+    """The heartbeat's write: the owner of ``fence`` moves its lease deadline to now + ``lease``.
+
+    With ``take_back`` (an UNSAFE owner making sure of its lease before its effect), also from a
+    record at its own fence that a lapse marked UNKNOWN: nothing but a reconciler moves such a
+    record on, so nobody else has run the work.
+    """
+    sources = frozenset({_C, _U}) if take_back else frozenset({_C})
+    for source in sources:
+        if Actor.OWNER not in TRANSITIONS[(source, _C)]:  # pragma: no cover - the table allows it
+            raise AssertionError("the owner may not renew its lease")
+    return Change(fence=fence, from_states=sources, to=_C, owner=owner, lease=lease)
 
 
 # -- commands the protocol yields, and their answers -------------------------------------------
@@ -161,13 +171,13 @@ class Wait:
 class Run:
     """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
 
-    ``renew_by``: the monotonic time by which the lease must first be renewed (the owner's
-    trust in it ends then), if sooner than the heartbeat's own first beat.
+    ``trusted_until``: the monotonic time at which the owner's trust in its lease ends: the
+    lease must be renewed by then, and ``point_of_no_return`` renews it first past it.
     """
 
     fence: int
     attempt: int
-    renew_by: float = math.inf
+    trusted_until: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +188,13 @@ class Ran:
         value: what the tool returned.
         error: what it raised, or ``None``; for a recorded call also an interruption (a
             ``BaseException`` that is no ``Exception``: a cancelled task, ``KeyboardInterrupt``).
+        marked: whether the attempt passed its point of no return (``point_of_no_return()``,
+            or an HTTP transport that marks it) before it ended.
     """
 
     value: object = None
     error: BaseException | None = None
+    marked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +262,16 @@ class Policy:
     not_applied: tuple[type[BaseException], ...]
     codec: ResultCodec
     reconcile: bool
+    #: Where the tool's effect starts: ``"mark"`` (its call of ``point_of_no_return()``),
+    #: ``"http"`` (its first request through a twiceshy transport), or ``None`` (unsaid: any
+    #: exception may follow an effect).
+    effect_at: str | None = None
+    #: The caller whose run recorded the result gets it as stored, as every retry does (for
+    #: adapters: the model then reads the same text both times).
+    answer_stored: bool = False
+    #: A framework's exception types that carry the tool's own error as their cause: a record's
+    #: reason names the cause.
+    wrappers: tuple[type[BaseException], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,13 +324,31 @@ def _listed(
     return next((kind for kind in kinds if isinstance(error, kind)), None)
 
 
-def describe(error: BaseException) -> str:
-    """``Type: message`` of an error, for records and logs; safe for any error."""
+_DESCRIBED: Final = 200
+"""How many characters of an error's message a description keeps."""
+
+
+def describe(error: BaseException, wrappers: tuple[type[BaseException], ...] = ()) -> str:
+    """``Type: message`` of an error, for records, logs and the model; safe for any error.
+
+    It names the user's own error: through a framework's wrapper (one of ``wrappers``) to its
+    cause, and a private class (``_Name``) by its first public base. The message is bounded.
+    """
+    for _ in range(8):  # a bounded walk: a cause chain may loop
+        if not isinstance(error, wrappers) or error.__cause__ is None:
+            break
+        error = error.__cause__
+    name = next(
+        (c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_")), "Exception"
+    )
     try:
         text = str(error)
     except Exception:  # an error whose message cannot be read must still be recorded
         text = "(its message could not be read)"
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = " ".join(text.split())
+    if len(text) > _DESCRIBED:
+        text = text[: _DESCRIBED - 3] + "..."
+    return f"{name}: {text}" if text else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,10 +377,9 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
     if isinstance(answer, Happened):
         try:
             text = policy.codec.encode(answer.result)
-        except ResultNotStorable:
-            # It happened, but its result cannot be kept: the record cannot say so, and the
-            # doubt stands (the caller is told the outcome is unknown, as before asking).
-            return None
+        except ResultNotStorable as exc:
+            # It happened, though its result cannot be kept: recorded as done all the same.
+            text = not_kept(answer.result, str(exc))
         return _change(Actor.RECONCILER, record, _S, result=text, ttl=policy.ttl)
     if isinstance(answer, DidNotHappen):
         return _change(Actor.RECONCILER, record, _R, ttl=policy.ttl)
@@ -396,7 +436,7 @@ def protect(
         if state is State.SUCCEEDED:
             assert record.result is not None
             yield Note(settled)
-            return plan.policy.codec.decode(record.result)
+            return _replayed(plan, record.result)
         if state is State.FAILED:
             yield Note(settled)
             raise _replay_error(plan, record.error)
@@ -419,7 +459,13 @@ def protect(
                 wait_until = now + plan.policy.wait
             left = wait_until - now
             if left <= 0:
-                raise InProgress(plan.policy.tool, plan.key)
+                raise InProgress(
+                    plan.policy.tool,
+                    plan.key,
+                    started_at=record.created_at,
+                    lapses_at=record.lease_deadline,
+                    effect=plan.policy.effect.value,
+                )
             until_lapse = (record.lease_deadline or snap.now) - snap.now
             settled = Outcome.WAITED
             snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
@@ -438,6 +484,20 @@ def protect(
             raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
         sent, snap = yield from _take(plan, record)
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
+
+
+def _replayed(plan: CallPlan, text: str) -> Any:
+    """A recorded result, as every retry gets it.
+
+    Raises:
+        ResultNotStorable: the tool ran and succeeded, and its result was not kept.
+    """
+    try:
+        return plan.policy.codec.decode(text)
+    except NotKept as gone:
+        raise ResultNotStorable.replayed(
+            plan.policy.tool, plan.key, gone.type_name, gone.why, gone.text
+        ) from None
 
 
 def _record_kept(plan: CallPlan, record: Record, kept: _Kept) -> Change:
@@ -500,63 +560,86 @@ def _own(
     real outcome in ``snap``, and ``kept`` is the outcome of this call's run when one must never
     run again (an UNSAFE tool's; any settled one), else ``None``.
     """
+    policy = plan.policy
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
-    renew_by = trusted_until
     now = yield Now()
     if now >= trusted_until:
-        take_back = finish_from if plan.policy.effect is Effect.UNSAFE else frozenset()
-        snap = yield Write(
-            _change(
-                Actor.OWNER,
-                record,
-                _C,
-                also_from=take_back,
-                owner=plan.owner,
-                lease=plan.policy.lease,
+        take_back = finish_from if policy.effect is Effect.UNSAFE else frozenset()
+        sent, snap = yield from _timed(
+            Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _C,
+                    also_from=take_back,
+                    owner=plan.owner,
+                    lease=policy.lease,
+                )
             )
         )
         if not snap.won:
             return False, None, snap, None
         assert snap.record is not None
         record = snap.record
-        renew_by = math.inf  # a lease just renewed: the heartbeat's own beat will do
+        trusted_until = sent + LEASE_TRUST * policy.lease
     while True:
-        ran: Ran = yield Run(record.fence, attempt, renew_by)
-        renew_by = math.inf  # every later attempt follows a renewal (count_attempt below)
+        ran: Ran = yield Run(record.fence, attempt, trusted_until)
         error = ran.error
+        before_effect = policy.effect_at is not None and not ran.marked
         if error is not None and not isinstance(error, Exception):
             # Interrupted while the work ran (a cancelled task, Ctrl-C): nothing is known of its
             # effect, and nothing renews the lease any more. Say so in the record, so the next
             # call is answered at once (KEYED: run again with the key; UNSAFE: OutcomeUnknown)
             # rather than after the lease; then the interruption goes on, whatever the write.
-            yield Write(
-                _doubt(plan, record, f"interrupted by {describe(error)} before it finished", error)
-            )
-            raise error
-        if error is None:
-            try:
-                text = plan.policy.codec.encode(ran.value)
-            except ResultNotStorable as exc:
-                # It ran, and its result cannot be kept: a certain failure, replayed as such.
-                error, kind = exc, _Kind.DEFINITE
-            else:
-                snap = yield Write(
+            # Before its point of no return, nothing happened: released.
+            if before_effect:
+                yield Write(
                     _change(
                         Actor.OWNER,
                         record,
-                        _S,
+                        _R,
                         also_from=finish_from,
                         owner=plan.owner,
-                        result=text,
-                        ttl=plan.policy.ttl,
+                        ttl=policy.ttl,
                     )
                 )
-                if snap.won:
-                    return True, ran.value, snap, None
-                return False, None, snap, _Kept(_S, value=ran.value, result=text)
-        else:
-            kind = _classify(plan.policy, error)
+            else:
+                reason = f"interrupted by {describe(error, policy.wrappers)} before it finished"
+                yield Write(_doubt(plan, record, reason, error))
+            raise error
+        if error is None:
+            try:
+                text = policy.codec.encode(ran.value)
+            except ResultNotStorable as exc:
+                # It ran and succeeded; its result cannot be kept. Never a failure (a retry
+                # would read "try again" where the effect happened): done, with what can be kept.
+                text = not_kept(ran.value, str(exc))
+                log.warning(
+                    "twiceshy: the result of %s (key %s) cannot be kept: %s; retries are told "
+                    "that it ran",
+                    policy.tool,
+                    plan.key,
+                    exc,
+                )
+                value = ran.value
+            else:
+                value = policy.codec.decode(text) if policy.answer_stored else ran.value
+            snap = yield Write(
+                _change(
+                    Actor.OWNER,
+                    record,
+                    _S,
+                    also_from=finish_from,
+                    owner=plan.owner,
+                    result=text,
+                    ttl=policy.ttl,
+                )
+            )
+            if snap.won:
+                return True, value, snap, None
+            return False, None, snap, _Kept(_S, value=value, result=text)
+        kind = _Kind.NOT_APPLIED if before_effect else _classify(policy, error)
         if kind is _Kind.NOT_APPLIED:
             snap = yield Write(
                 _change(
@@ -589,7 +672,7 @@ def _own(
             return False, None, snap, _Kept(_F, raised=error, error=text)
         # Ambiguous: the work may have taken effect.
         if plan.policy.effect is Effect.UNSAFE:
-            reason, text = describe(error), encode_error(error)
+            reason, text = describe(error, policy.wrappers), encode_error(error)
             snap = yield Write(
                 _change(Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=text)
             )
@@ -602,36 +685,43 @@ def _own(
             interrupted = yield Sleep(plan.policy.backoff(attempt))
             if interrupted is not None:
                 # Interrupted between attempts: the last one may have taken effect.
-                reason = f"interrupted by {describe(interrupted)} after {describe(error)}"
+                reason = (
+                    f"interrupted by {describe(interrupted)} after "
+                    f"{describe(error, policy.wrappers)}"
+                )
                 yield Write(_doubt(plan, record, reason, error))
                 raise interrupted
             # Count the attempt in the record and renew the lease before running again: the
             # write also proves this caller still owns the fence.
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _C,
-                    owner=plan.owner,
-                    lease=plan.policy.lease,
-                    count_attempt=True,
+            sent, snap = yield from _timed(
+                Write(
+                    _change(
+                        Actor.OWNER,
+                        record,
+                        _C,
+                        owner=plan.owner,
+                        lease=plan.policy.lease,
+                        count_attempt=True,
+                    )
                 )
             )
             if not snap.won:
                 return False, None, snap, None  # KEYED: a later run uses the same key
             assert snap.record is not None
             record = snap.record
+            trusted_until = sent + LEASE_TRUST * policy.lease
             attempt += 1
             continue
         if plan.policy.effect is Effect.KEYED:
             # Attempts ran out: the next call runs it again with the same key.
+            _note_exhausted(error, policy.attempts)
             snap = yield Write(
                 _change(
                     Actor.OWNER,
                     record,
                     _U,
                     owner=plan.owner,
-                    reason=describe(error),
+                    reason=describe(error, policy.wrappers),
                     error=encode_error(error),
                 )
             )
@@ -642,6 +732,26 @@ def _own(
         if snap.won:
             raise error
         return False, None, snap, None  # KEYED or SAFE: may run again (with the same key)
+
+
+EXHAUSTED: Final = "twiceshy: no attempt of this KEYED tool finished"
+"""How the note on a KEYED tool's last error begins (:func:`exhausted`)."""
+
+
+def _note_exhausted(error: BaseException, attempts: int) -> None:
+    if not exhausted(error):
+        error.add_note(
+            f"{EXHAUSTED} ({attempts} in all): it may have taken effect; its outcome is recorded "
+            "as unknown, and the next identical call runs it again with the same idempotency key"
+        )
+
+
+def exhausted(error: BaseException) -> bool:
+    """Whether ``error`` is the last error of a KEYED tool that ran out of attempts."""
+    return any(
+        isinstance(note, str) and note.startswith(EXHAUSTED)
+        for note in getattr(error, "__notes__", ())
+    )
 
 
 def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> Change | None:

@@ -1,35 +1,81 @@
-"""The run scope and the key of the call in progress, as context variables.
+"""The run scope and the call in progress, as context variables.
 
 Context variables follow the code through ``await``, ``asyncio`` tasks and ``asyncio.to_thread``;
 a bare thread starts with none, so a tool that hands work to a thread passes the key itself.
+
+While a protected call runs, the scope is one derived from its key (DESIGN.md §2, "Scope of
+nested runs"): an agent run started inside the tool (a sub-agent, a handoff, a subgraph) names
+its intents inside the outer intent, so every retry of the outer call names the same inner ones,
+and two different outer calls never share one. A ``twiceshy.run(...)`` entered inside the tool
+gives the nested runs another scope.
 """
 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from types import TracebackType
-from typing import NamedTuple
 
 from ._records import Effect
 
-__all__ = ["Current", "current_call", "current_key", "current_scope", "run"]
+__all__ = [
+    "Current",
+    "current_call",
+    "current_key",
+    "current_scope",
+    "entered_scope",
+    "inherited_scope",
+    "point_of_no_return",
+    "run",
+]
 
-_scope: contextvars.ContextVar[str | None] = contextvars.ContextVar("twiceshy_scope", default=None)
+# The innermost scope, and whether a protected call set it (a nested run's inherited scope).
+_scope: contextvars.ContextVar[tuple[str, bool] | None] = contextvars.ContextVar(
+    "twiceshy_scope", default=None
+)
 
 # The tokens of the scopes entered in this context, innermost last. Kept in the context itself,
 # not in the run object: one object entered by concurrent tasks (each in its own context) must
 # give each task back its own previous scope.
-_entered: contextvars.ContextVar[tuple[contextvars.Token[str | None], ...]] = (
+_entered: contextvars.ContextVar[tuple[contextvars.Token[tuple[str, bool] | None], ...]] = (
     contextvars.ContextVar("twiceshy_entered", default=())
 )
 
 
-class Current(NamedTuple):
-    """The protected call running in this context."""
+class Current:
+    """One attempt of the protected call running in this context, and what it has done so far.
 
-    key: str
-    tool: str
-    effect: Effect
+    Made by the driver for each attempt; the HTTP transports and
+    :func:`point_of_no_return` read and mark it.
+
+    Attributes:
+        key: the intent's key.
+        tool: the tool's name.
+        effect: its effect class.
+        effect_at: where its effect happens (``"mark"``, ``"http"``), if it says.
+        marked: whether the attempt has passed its point of no return.
+        sent: the digests of the requests the attempt sent through a twiceshy transport.
+    """
+
+    __slots__ = ("confirm", "effect", "effect_at", "key", "marked", "sent", "tool")
+
+    def __init__(
+        self,
+        key: str,
+        tool: str,
+        effect: Effect,
+        *,
+        effect_at: str | None = None,
+        confirm: Callable[[], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.tool = tool
+        self.effect = effect
+        self.effect_at = effect_at
+        #: Raises ``FencedOut`` unless the attempt still holds its lease (renewing it if in doubt).
+        self.confirm = confirm
+        self.marked = False
+        self.sent: set[str] = set()
 
 
 _call: contextvars.ContextVar[Current | None] = contextvars.ContextVar(
@@ -66,7 +112,7 @@ class run:
         return self._scope
 
     def __enter__(self) -> run:
-        _entered.set((*_entered.get(), _scope.set(self._scope)))
+        _entered.set((*_entered.get(), _scope.set((self._scope, False))))
         return self
 
     def __exit__(
@@ -92,8 +138,34 @@ class run:
 
 
 def current_scope() -> str | None:
-    """The scope set by the innermost ``twiceshy.run(...)``, or ``None`` outside any."""
+    """The scope of the protected calls made here, or ``None`` outside any.
+
+    That is the innermost ``twiceshy.run(...)``'s, or inside a protected call the scope its
+    nested runs inherit (see :func:`inherited_scope`), whichever was entered last.
+    """
+    entered = _scope.get()
+    return entered[0] if entered is not None else None
+
+
+def entered_scope() -> tuple[str, bool] | None:
+    """The innermost scope and whether a protected call set it (its nested runs' scope)."""
     return _scope.get()
+
+
+def inherited_scope() -> str | None:
+    """The scope a run started here inherits from the protected call it runs in, if any.
+
+    It is derived from that call's key, so every retry of the outer intent names the same inner
+    intents. ``None`` outside a protected call, or where a ``twiceshy.run(...)`` entered inside
+    it names the scope. Framework adapters prefer it to the framework's own run id.
+    """
+    entered = _scope.get()
+    return entered[0] if entered is not None and entered[1] else None
+
+
+def nested_scope(key: str) -> str:
+    """The scope inherited by the runs started inside the protected call ``key``."""
+    return key
 
 
 def current_key() -> str | None:
@@ -111,11 +183,42 @@ def current_call() -> Current | None:
     return _call.get()
 
 
-def set_call(call: Current) -> contextvars.Token[Current | None]:
-    """Set the current call (for drivers)."""
-    return _call.set(call)
+def point_of_no_return() -> None:
+    """Say, inside a tool, that its effect starts now.
+
+    For a tool declared ``effect_at="mark"`` (the default for a tool whose own code calls this
+    function), an exception raised before this call means that nothing happened: the intent is
+    released and the next call runs it. After it, an exception is read as the tool's class says
+    (ambiguous unless ``definite=`` / ``not_applied=`` say otherwise).
+
+    It first checks that the call still holds its lease (on this process's clock, renewing it
+    under the call's fence when in doubt), and refuses to pass if another caller may have taken
+    the intent over.
+
+    Outside a protected call it does nothing.
+
+    Raises:
+        FencedOut: the call no longer holds its lease: its effect must not start.
+        StoreError: the lease could not be confirmed; the effect must not start.
+    """
+    call = _call.get()
+    if call is None:
+        return
+    if call.confirm is not None:
+        call.confirm()
+    call.marked = True
 
 
-def reset_call(token: contextvars.Token[Current | None]) -> None:
+CallTokens = tuple[contextvars.Token[Current | None], contextvars.Token[tuple[str, bool] | None]]
+
+
+def set_call(call: Current) -> CallTokens:
+    """Make ``call`` the current call, and its nested scope the scope (for drivers)."""
+    return _call.set(call), _scope.set((nested_scope(call.key), True))
+
+
+def reset_call(tokens: CallTokens) -> None:
     """Undo :func:`set_call` (for drivers)."""
-    _call.reset(token)
+    call, scope = tokens
+    _scope.reset(scope)
+    _call.reset(call)

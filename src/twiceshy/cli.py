@@ -52,7 +52,7 @@ import twiceshy
 from ._codec import ResultCodec
 from ._protocol import TRANSITIONS, Actor
 from ._records import Change, Outcome, Record, State
-from .errors import LedgerNotFound, ResultNotStorable, StoreError
+from .errors import LedgerNotFound, ResultNotStorable, StoreError, clearing
 from .stores import CallCounts, Store, default_url, open_store
 
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_REFUSED", "EXIT_UNAVAILABLE", "EXIT_USAGE", "main"]
@@ -571,6 +571,8 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
             console.print(JSON(record.result, indent=2))
         except ValueError:
             console.print(Text(record.result))
+    if record.state is State.UNKNOWN:
+        console.print(Text(clearing(record.key)))
 
 
 def _parse_result(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -9,22 +9,27 @@
     │                                      colliding mapping keys, a tool name with ":"
     ├── MissingScope        (LookupError)  a protected call outside any ``twiceshy.run(...)``
     ├── KeyReuseMismatch    (ValueError)   a key already names other arguments
-    ├── ResultNotStorable   (TypeError)    a tool's result has no JSON form, or is too large
+    ├── ResultNotStorable   (TypeError)    a tool's return annotation has no JSON form; or, on
+    │                                      a retry, the first result could not be kept
     ├── NotApplied                          raised by a tool: nothing took effect
     ├── ReplayedError                       a failure recorded by an earlier call, replayed
     ├── OutcomeUnknown                      the work may or may not have taken effect
     ├── InProgress                          an identical call is still running
-    ├── FencedOut                           a newer attempt owns the key
+    ├── FencedOut                           the call lost its lease: its effect must not start
+    ├── RepeatedRequest                     an UNSAFE call sent the same HTTP request twice
     └── StoreError                          the ledger misbehaved
         ├── StoreUnavailable (ConnectionError)  the ledger cannot be reached
         ├── LedgerNotFound                  opened not to create one, there is no ledger there
         └── OutcomeNotRecorded              the tool ran; the ledger failed to record how it ended
 
-``OutcomeUnknown`` and ``InProgress`` carry a message written for the model that called the tool:
-what happened, that the call will not be run again by itself, and what to tell the user.
+``OutcomeUnknown``, ``InProgress`` and a replayed ``ResultNotStorable`` carry a message written
+for the model that called the tool: what happened, that the call will not be run again by itself,
+and what to tell the user.
 """
 
 from __future__ import annotations
+
+import datetime as _dt
 
 __all__ = [
     "FencedOut",
@@ -35,6 +40,7 @@ __all__ = [
     "NotApplied",
     "OutcomeNotRecorded",
     "OutcomeUnknown",
+    "RepeatedRequest",
     "ReplayedError",
     "ResultNotStorable",
     "StoreError",
@@ -55,11 +61,15 @@ class UnkeyableArgument(TwiceshyError):
 
     Attributes:
         path: where inside the arguments the offending value sits, e.g. ``args.items[2].when``.
+        reason: what is wrong there.
+        bound: ``"max_bytes"`` or ``"max_depth"`` when a bound refused the arguments, else
+            ``None``.
     """
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         self.reason = reason
+        self.bound: str | None = None
         super().__init__(f"{path}: {reason}")
 
 
@@ -80,7 +90,40 @@ class KeyReuseMismatch(TwiceshyError, ValueError):
 
 
 class ResultNotStorable(TwiceshyError, TypeError):
-    """The tool ran, but its result has no JSON form or exceeds the size bound."""
+    """A result the ledger cannot keep as JSON.
+
+    Raised in two places:
+
+    - when a tool is declared (or wrapped by an adapter) with a return annotation that has no
+      JSON form: nothing has run;
+    - to a retry of an intent whose first run succeeded with a result that could not be kept
+      (no JSON form, or larger than ``max_result_bytes=``). The first caller got the result; the
+      ledger recorded that the tool ran, with a bounded text of the result. ``str()`` is then
+      written for the model: the tool ran, it was not run again, and what its result said.
+
+    Attributes:
+        tool: the tool's name ("" when not known).
+        key: the intent's key, on a retry ("" otherwise).
+    """
+
+    def __init__(self, message: str, *, tool: str = "", key: str = "") -> None:
+        self.tool = tool
+        self.key = key
+        super().__init__(message)
+
+    @classmethod
+    def replayed(
+        cls, tool: str, key: str, type_name: str, why: str, text: str
+    ) -> ResultNotStorable:
+        """The error a retry gets for a first result that was not kept."""
+        said = f" It read: {text}" if text else ""
+        return cls(
+            f"The tool {tool!r} already ran for these arguments and succeeded; it was not run "
+            f"again. Its result (a {type_name}) could not be kept ({why}), so it cannot be "
+            f"shown again.{said} (reference {key[:16]})",
+            tool=tool,
+            key=key,
+        )
 
 
 class NotApplied(TwiceshyError):
@@ -123,28 +166,126 @@ class OutcomeUnknown(TwiceshyError):
             f"The tool {tool!r} was started but its outcome is unknown{detail}: it may or may not "
             "have taken effect. It will not be run again for these arguments. Do not call it "
             "again; tell the user that the action may have happened and needs to be checked "
-            f"(reference {key[:16]})."
+            f"(reference {key[:16]}). {clearing(key)}"
         )
 
 
-class InProgress(TwiceshyError):
-    """An identical call is still running elsewhere; its outcome is not known yet.
+def clearing(key: str) -> str:
+    """How an operator clears an unknown outcome, once the effect has been checked."""
+    return (
+        f"Once checked, an operator clears it with `twiceshy resolve {key[:16]} --released` "
+        "(it did not happen: the next call runs it) or `--succeeded 'RESULT-JSON'` (it did)."
+    )
 
-    ``str()`` of this error is written for the model: pass it on as the tool's output.
+
+class InProgress(TwiceshyError):
+    """An identical call has claimed the intent and recorded no outcome yet.
+
+    ``str()`` of this error is written for the model: pass it on as the tool's output. It says
+    what is known: a call running in this process is still running; one seen only in the ledger
+    started at a time and may still be running or may have stopped with its process, and what
+    happens when its lease lapses.
+
+    Attributes:
+        tool: the tool's name.
+        key: the intent's key.
+        started_at: when the intent was first claimed (seconds since the epoch, on the store's
+            clock), if known.
+        lapses_at: when the current claim's lease lapses (the same clock), if known.
+        effect: the tool's effect class (its value: ``"keyed"``...), if known.
+        here: the identical call is running in this process.
+    """
+
+    def __init__(
+        self,
+        tool: str,
+        key: str,
+        *,
+        started_at: float | None = None,
+        lapses_at: float | None = None,
+        effect: str = "",
+        here: bool = False,
+    ) -> None:
+        self.tool = tool
+        self.key = key
+        self.started_at = started_at
+        self.lapses_at = lapses_at
+        self.effect = effect
+        self.here = here
+        reference = f"(reference {key[:16]})"
+        if here or started_at is None:
+            super().__init__(
+                f"An identical call of the tool {tool!r} is still running; its outcome is not "
+                "known yet and this call did not start it a second time. Tell the user the "
+                f"action is under way {reference}."
+            )
+            return
+        then = ""
+        if lapses_at is not None:
+            after = {
+                "keyed": "the next identical call resumes it with the same idempotency key, so "
+                "the provider does not apply it twice",
+                "unsafe": "its outcome becomes unknown and it is not run again by itself",
+            }.get(effect, "the next identical call runs it again")
+            then = f" If it records none by {_when(lapses_at)}, {after}."
+        super().__init__(
+            f"An identical call of the tool {tool!r} started at {_when(started_at)} and has not "
+            "recorded an outcome: it may still be running, or the process running it may have "
+            f"stopped. This call did not start it a second time.{then} Tell the user the "
+            f"action may be under way and has not been confirmed {reference}."
+        )
+
+
+def _when(seconds: float) -> str:
+    """A store time as the text a model and a user read: UTC, to the second."""
+    moment = _dt.datetime.fromtimestamp(seconds, _dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class FencedOut(TwiceshyError):
+    """The call no longer holds its lease: another caller may own the intent now.
+
+    Raised by :func:`twiceshy.point_of_no_return` (and the HTTP transports that mark it) before
+    the tool's effect starts: the effect must not start. The call then answers the intent's
+    real outcome.
+
+    Attributes:
+        tool: the tool's name.
+        key: the intent's key.
     """
 
     def __init__(self, tool: str, key: str) -> None:
         self.tool = tool
         self.key = key
         super().__init__(
-            f"An identical call of the tool {tool!r} is still running; its outcome is not known "
-            "yet and this call did not start it a second time. Tell the user the action is under "
-            f"way (reference {key[:16]})."
+            f"the call of {tool!r} no longer holds its lease (another caller may have taken the "
+            f"intent over): its effect must not start (reference {key[:16]})"
         )
 
 
-class FencedOut(TwiceshyError):
-    """A write named a fence that is no longer current: a newer attempt owns the key."""
+class RepeatedRequest(TwiceshyError):
+    """Inside an UNSAFE call, an HTTP request was about to be sent a second time.
+
+    An SDK retrying a request underneath an UNSAFE tool (a timeout, a dropped connection) would
+    apply its effect twice; twiceshy's transports refuse the second send instead. A request
+    that carries its own idempotency key (the transport's header, set by the caller) may be
+    sent again: the provider deduplicates it.
+
+    Attributes:
+        tool: the tool's name.
+        method: the request's method.
+        url: the request's URL.
+    """
+
+    def __init__(self, tool: str, method: str, url: str) -> None:
+        self.tool = tool
+        self.method = method
+        self.url = url
+        super().__init__(
+            f"the UNSAFE tool {tool!r} was about to send {method} {url} a second time (an HTTP "
+            "client retrying it): refused, since the first may have taken effect. Give the "
+            "request an idempotency key, or declare the tool KEYED if its provider deduplicates"
+        )
 
 
 class StoreError(TwiceshyError):
