@@ -18,6 +18,10 @@ canonical JSON) are keyed by each implementation, side by side in one run:
 
 Each measurement is repeated, interleaving the implementations so that a noisy neighbour hurts all
 of them alike, and the median is reported.
+
+A second table keys hostile values once each (median of three): an integer of a million digits,
+which twiceshy writes exactly, beside Python's own ``str()`` of it (the floor, quadratic on
+CPython 3.11), and one of thirty million digits, which it refuses by its size alone.
 """
 
 from __future__ import annotations
@@ -235,5 +239,49 @@ def main() -> None:
         Console(width=None if sys.stdout.isatty() else 120).print(rich_table)
 
 
+def _seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _refused(value: object) -> Callable[[], object]:
+    def key() -> object:
+        try:
+            return idempotency_key(SCOPE, TOOL, {"n": value})
+        except ValueError:
+            return None
+
+    return key
+
+
+def hostile() -> None:
+    """Print how long keying hostile integers takes, beside Python's own str() of them."""
+    million = 7**1_183_000  # 999,751 digits
+    huge = 1 << 100_000_000  # about 30 million digits
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        text = str(million)
+        assert canonical_json({"n": million}) == '{"n":' + text + "}"
+        floor = _seconds(lambda: str(million), repeats=1)
+    finally:
+        sys.set_int_max_str_digits(old)
+    rows = [
+        (f"an int of {len(text):,} digits", _seconds(_refused(million)), floor),
+        ("an int of ~30,000,000 digits (refused)", _seconds(_refused(huge)), None),
+    ]
+    print("Hostile values, keyed once (median of 3); floor: Python's own str() of the int")
+    for label, took, base in rows:
+        shown = f"{label:<40} twiceshy {took * 1000:9.1f} ms"
+        if base is not None:
+            shown += f"   str() {base * 1000:9.1f} ms   ({base / took:.0f}x faster)"
+        print(shown)
+
+
 if __name__ == "__main__":
     main()
+    hostile()

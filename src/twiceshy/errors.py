@@ -269,7 +269,8 @@ class RepeatedRequest(TwiceshyError):
     An SDK retrying a request underneath an UNSAFE tool (a timeout, a dropped connection) would
     apply its effect twice; twiceshy's transports refuse the second send instead. A request
     that carries its own idempotency key (the transport's header, set by the caller) may be
-    sent again: the provider deduplicates it.
+    sent again: the provider deduplicates it. To let an SDK retry safely, give the request an
+    idempotency key, or declare the tool KEYED if its provider deduplicates by one.
 
     Attributes:
         tool: the tool's name.
@@ -282,9 +283,8 @@ class RepeatedRequest(TwiceshyError):
         self.method = method
         self.url = url
         super().__init__(
-            f"the UNSAFE tool {tool!r} was about to send {method} {url} a second time (an HTTP "
-            "client retrying it): refused, since the first may have taken effect. Give the "
-            "request an idempotency key, or declare the tool KEYED if its provider deduplicates"
+            f"the UNSAFE tool {tool!r} refused to send {method} {url} a second time (an HTTP "
+            "client retrying it): the first may have taken effect"
         )
 
 

@@ -301,3 +301,59 @@ def test_settings_that_would_match_nothing_are_refused(
     """``methods="POST"`` (read letter by letter) or a lone effect raise TypeError at once."""
     with pytest.raises(TypeError, match="must be a collection"):
         transport(**settings)
+
+
+def test_requests_outside_protected_calls_pass_untouched(provider: tuple[Provider, str]) -> None:
+    """Outside a protected call (or from a bare thread inside one) a POST repeats, headerless."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx2.Client(base_url=base, transport=tx2.IdempotencyKeyTransport())
+
+    def send() -> None:
+        client.post("/v1/charges", json={"amount": 1})
+
+    @ledger.tool(effect=twiceshy.UNSAFE, effect_at="http")
+    def charge(amount: int) -> None:
+        for _ in range(2):  # the transport cannot see this call from a bare thread
+            bare = threading.Thread(target=send)
+            bare.start()
+            bare.join()
+        raise LookupError("no receipt")
+
+    send()
+    send()
+    with twiceshy.run("run-h9"), pytest.raises(LookupError):
+        charge(1)
+    assert state.seen == [("POST", "/v1/charges", None)] * 4
+    # Nothing marked the point of no return: the error reads as "nothing happened" (the
+    # caveat docs/http.md states), so the intent was released and runs again.
+    with twiceshy.run("run-h9"), pytest.raises(LookupError):
+        charge(1)
+    client.close()
+    assert len(state.seen) == 6
+
+
+def test_keyed_effect_at_http_error_after_the_request_is_retried_with_the_key(
+    provider: tuple[Provider, str],
+) -> None:
+    """KEYED, effect_at="http": an error after the request left retries it with the same key."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx.Client(base_url=base, transport=tx.IdempotencyKeyTransport())
+    answers: list[str] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, effect_at="http", backoff=lambda attempt: 0.0)
+    def charge(amount: int) -> str:
+        answers.append(client.post("/v1/charges", json={"amount": amount}).json()["id"])
+        if len(answers) == 1:  # the charge was made; reading its answer failed
+            raise httpx.ReadError("connection reset while reading the answer")
+        return answers[-1]
+
+    with twiceshy.run("run-h10"):
+        assert charge(5) == "ch_1"
+    client.close()
+    keys = [k for _, _, k in state.seen]
+    assert len(keys) == 2
+    assert keys[0] is not None
+    assert keys[0] == keys[1]
+    assert len(state.charges) == 1

@@ -1,10 +1,13 @@
-"""``Idempotency-Key`` on outbound ``httpx2`` requests (the openai, anthropic and mcp SDKs' client).
+"""The same transports for ``httpx2``, the client of the openai, anthropic and mcp SDKs.
 
     client = openai.OpenAI(http_client=httpx2.Client(transport=IdempotencyKeyTransport()))
 
-The same transports as :mod:`twiceshy.integrations.httpx`, for the ``httpx2`` fork, with the same
-rules (a request outside a protected KEYED call, or sent from a bare thread, gets no header).
-Install with ``pip install 'twiceshy[httpx2]'``.
+They do what :mod:`twiceshy.integrations.httpx` describes, with the same rules: a KEYED call's
+requests carry a derived ``Idempotency-Key``, an UNSAFE call never sends one request twice (the
+SDK's own retries, ``max_retries=2`` by default, are refused with
+:class:`~twiceshy.RepeatedRequest`), ``effect_at="http"`` marks the point of no return at the
+first request, and a request outside a protected call, or sent from a bare thread, passes
+untouched. Install with ``pip install 'twiceshy[httpx2]'``.
 """
 
 from __future__ import annotations
