@@ -10,26 +10,36 @@ and each run names its scope, by default ``RunConfig(group_id=...)``::
 
 How a call is handled:
 
-- The intent is ``(scope, tool, arguments)``, the arguments being the JSON object the model
-  sent (defaults from the tool's schema filled in); the tool-call id, which changes on every
-  re-call, and the injected ``ToolContext`` are not part of it.
-- The scope is, in this order: an active ``twiceshy.run(...)``; else the ``scope=`` source (a
-  field of the run context, or a function of the ``ToolContext``); else, when ``scope=`` is not
-  given, ``RunConfig.group_id``. Nothing the SDK generates (trace ids, call ids) survives a
-  restart: the application supplies a stable id. No scope fails the run with ``MissingScope``
-  before the tool runs (a SAFE tool, which keeps no record, needs none).
-- ``OutcomeUnknown`` and ``InProgress`` become the tool's output, their text written for the
-  model (it never says "try again"); the tool's ``failure_error_function`` is not consulted.
-  So do ``KeyReuseMismatch`` and ``UnkeyableArgument`` (nothing ran). A tool with a declared
-  output schema (``output_type=``) cannot answer in text: for it they fail the run
-  (``agents.UserError`` caused by them).
-- Other errors of the tool keep the SDK's behaviour (the tool's ``failure_error_function``):
-  a retry of them is safe, because the ledger replays definite failures and runs a KEYED tool
-  again only with the same key. Arguments the tool's schema refuses release the intent (the
-  body never ran). ``MissingScope``, ``StoreError`` and ``ResultNotStorable`` always fail the
-  run: they are the application's to fix, not the model's.
-- A tool's ``timeout`` moves inside the ledger: it bounds each attempt, so a timed-out UNSAFE
-  tool answers ``OutcomeUnknown`` instead of the SDK's "timed out" text.
+- The intent is ``(scope, tool, arguments)``, the arguments being those the tool's function
+  receives: the model's JSON as the SDK parses and validates it (``"2"`` for an ``int`` is ``2``,
+  an omitted parameter its default, a nested model its fields), bound to the function's
+  parameters by name, its context parameter left out. The SDK's preparation is then handed to
+  the invocation, so the function receives the very values that named the intent. A
+  ``FunctionTool`` with no Python function behind it (built by hand, ``agent.as_tool(...)``) is
+  named by the JSON object the model sent, its schema's defaults filled in. The tool-call id,
+  new on every re-call, is never part of it.
+- The scope is, in this order: a ``twiceshy.run(...)`` the application entered; else the
+  ``scope=`` source (a field of the run context, or a function of the ``ToolContext``); else
+  the scope inherited from the protected call the run is nested in (a sub-agent behind a
+  protected ``agent.as_tool``), so every retry of the outer call names the same inner intents
+  and two outer intents never share one; else, without ``scope=``, ``RunConfig.group_id``.
+  Nothing the SDK generates (trace ids, call ids) survives a restart: the application supplies a
+  stable id. No scope fails the run with ``MissingScope`` before the tool runs (a SAFE tool,
+  which keeps no record, needs none).
+- twiceshy's own answers become the tool's output, written for the model (never "try again"),
+  whatever the tool's ``failure_error_function`` / ``timeout_error_function``: an unknown
+  outcome, an identical call in progress, a refused key, a result that could not be kept, and a
+  KEYED tool out of attempts (it may have taken effect; an identical call later is safe). A tool
+  with a declared output schema (``output_type=``) cannot answer in text: for it they fail the
+  run (``agents.UserError`` caused by them).
+- Other errors keep the SDK's behaviour (the tool's ``failure_error_function``): their retry is
+  safe, because the ledger replays definite failures, and an error before the tool's
+  ``twiceshy.point_of_no_return()`` or a refusal of its arguments ran nothing. ``MissingScope``
+  and ``StoreError`` always fail the run: they are the application's to fix.
+- The model reads the same text on the first call and on every replay: the first caller gets
+  the result as the ledger stores it (``Guard.with_stored_answers()``), and a result with no JSON
+  form is kept as the text the SDK shows the model for it, ``str(result)``.
+- A tool's ``timeout`` moves inside the ledger: it bounds each attempt.
 """
 
 from __future__ import annotations
@@ -39,10 +49,13 @@ import copy
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, TypeAlias
+import sys
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
 
-from agents import FunctionTool, ModelBehaviorError, Tool, ToolTimeoutError
+from agents import FunctionTool, ModelBehaviorError, RunContextWrapper, Tool, ToolTimeoutError
 from agents.tool import (
     default_tool_timeout_error_message,
     maybe_invoke_function_tool_failure_error_function,
@@ -50,19 +63,18 @@ from agents.tool import (
 )
 from agents.tool_context import ToolContext
 
+from .._codec import ResultCodec
 from .._ledger import Guard, Ledger
 from .._records import Effect
-from .._scope import current_scope
+from .._scope import entered_scope, inherited_scope
 from ..errors import (
-    InProgress,
-    KeyReuseMismatch,
     MissingScope,
     NotApplied,
-    OutcomeUnknown,
     ResultNotStorable,
     StoreError,
-    UnkeyableArgument,
+    UnkeyableType,
 )
+from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
 
 __all__ = ["ScopeSource", "protect", "protect_tool"]
 
@@ -74,19 +86,24 @@ ScopeSource: TypeAlias = str | Callable[[ToolContext[Any]], str | None] | None
 - a ``str``: the name of a key (a mapping context) or an attribute (any other context) of the
   application's run context, the ``context=`` given to ``Runner.run``;
 - a function of the ``ToolContext`` (``ctx.context``, ``ctx.run_config``, ...) answering the
-  scope or ``None``;
-- ``None``: ``RunConfig.group_id``.
+  scope or ``None`` (then a nested run's inherited scope, if any, applies);
+- ``None``: the inherited scope of a nested run, else ``RunConfig.group_id``.
+
+A given source names the scope of nested runs too (the application's choice): to keep the
+scopes of two outer intents apart, answer ``twiceshy.inherited_scope()`` where it is set.
 """
 
-_FOR_THE_MODEL = (OutcomeUnknown, InProgress, KeyReuseMismatch, UnkeyableArgument)
-"""Errors whose text is the tool's output: the honest answers, and refusals before any run."""
-
-_ALWAYS_RAISED = (MissingScope, StoreError, ResultNotStorable)
+_ALWAYS_RAISED = (MissingScope, StoreError)
 """Errors that fail the run whatever the tool's failure policy: the application must fix them."""
-
 
 _SDK_REFUSAL = "Invalid JSON input for tool "
 """How the SDK's ``ModelBehaviorError`` starts when it refuses a call's arguments (0.24)."""
+
+_PLAIN = (str, int, float, bool, type(None))
+"""Results the ledger keeps as they are, without a trial encoding."""
+
+_ANY_SIZE = ResultCodec(max_bytes=sys.maxsize)
+"""Tells a result with no JSON form from one only too large to keep."""
 
 
 class _AttemptTimedOut(TimeoutError):
@@ -99,6 +116,77 @@ class _ArgumentsRefused(NotApplied):
     def __init__(self, error: ModelBehaviorError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class _Function:
+    """The Python function behind a ``@function_tool``, and the SDK's preparation of its calls.
+
+    Attributes:
+        fn: the function given to ``@function_tool``.
+        prepare: the SDK's own ``(json, tool_name) -> PreparedFunctionArguments``: it parses the
+            JSON, validates it with the parameters' pydantic model and makes the call's
+            positional and keyword arguments. The tool's invocation accepts its result in place
+            of preparing again.
+        context: the name of the function's context parameter, if it takes one.
+    """
+
+    fn: Callable[..., Any]
+    prepare: Callable[[str, str], Any]
+    context: str | None
+
+    def prepared(self, ctx: ToolContext[Any], raw_json_args: str) -> Any:
+        """This call prepared by the SDK; raises what the SDK raises for arguments it refuses."""
+        return self.prepare(raw_json_args, ctx.tool_name)
+
+    def received(self, prepared: Any) -> dict[str, Any] | None:
+        """The arguments the function receives by name, or ``None`` when they do not bind."""
+        args = list(prepared.args)
+        inject: tuple[str, ...] = ()
+        if self.context is not None:
+            args.insert(0, None)  # stands for the context, which is left out
+            inject = (self.context,)
+        try:
+            return received(self.fn, args, prepared.kwargs, inject=inject)
+        except TypeError:  # pragma: no cover - the SDK made these arguments for this function
+            return None
+
+
+def _function_of(tool: FunctionTool) -> _Function | None:
+    """The function behind ``tool`` and the SDK's preparation of its calls, where both are found."""
+    try:
+        fn = tool.__wrapped__
+    except AttributeError:  # built by hand, or agent.as_tool(): no Python function
+        return None
+    prepare_for = getattr(tool.on_invoke_tool, "prepare_arguments", None)
+    if not callable(prepare_for):  # pragma: no cover - another SDK version
+        return None
+    try:
+        # What it answers for approval policies names the SDK's own preparation (its owner).
+        prepare = prepare_for("{}", tool.name).owner
+        inspect.signature(prepare).bind("{}", tool.name)
+    except Exception:  # pragma: no cover - another SDK version: the model's JSON names the intent
+        return None
+    return _Function(fn, prepare, _context_parameter(fn))
+
+
+def _context_parameter(fn: Callable[..., Any]) -> str | None:
+    """The first parameter's name where it is the SDK's context, as ``function_schema`` reads it."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - the SDK read this signature
+        return None
+    if not parameters:
+        return None
+    first = parameters[0]
+    annotated = fn if inspect.isroutine(fn) else type(fn).__call__
+    try:
+        hints = typing.get_type_hints(annotated)
+    except Exception:  # pragma: no cover - the SDK resolved these annotations
+        hints = {}
+    annotation = hints.get(first.name, first.annotation)
+    origin = typing.get_origin(annotation) or annotation
+    return first.name if origin is RunContextWrapper or origin is ToolContext else None
 
 
 def protect(
@@ -153,7 +241,7 @@ def protect(
         if isinstance(declared, Guard):
             guard = declared
         elif isinstance(declared, Effect):
-            guard = ledger.guard(tool.qualified_name, effect=declared, returns=_returns(tool))
+            guard = _guard_for(ledger, tool, declared)
         else:
             raise TypeError(
                 f"the effect of {tool.qualified_name!r} must be an effect class or a "
@@ -170,7 +258,9 @@ def protect_tool(tool: FunctionTool, guard: Guard, *, scope: ScopeSource = None)
     """A copy of ``tool`` whose every invocation goes through ``guard``.
 
     The copy keeps the tool's name, schema, guardrails, approval policy and failure policy. The
-    tool's ``timeout`` bounds each attempt inside the ledger instead of the whole call.
+    tool's ``timeout`` bounds each attempt inside the ledger instead of the whole call. The
+    guard answers the first caller with the result as stored (``with_stored_answers()``), so the
+    model reads the same text on the first call and on every replay.
 
     Args:
         tool: the ``FunctionTool`` to protect (it is left unchanged).
@@ -203,90 +293,178 @@ def protect_tool(tool: FunctionTool, guard: Guard, *, scope: ScopeSource = None)
     inner.timeout_seconds = None
     outer = copy.copy(tool)
     outer.timeout_seconds = None
-    outer.on_invoke_tool = _invoker(
+    outer.on_invoke_tool = _Invoker(
         outer,
         inner,
-        guard,
+        guard.with_stored_answers(),
         scope,
+        function=_function_of(tool),
         answers_failures=answers_failures,
         timeout=tool.timeout_seconds,
-        timeout_behavior=tool.timeout_behavior,
-        timeout_error_function=tool.timeout_error_function,
     )
     return outer
 
 
-def _invoker(
-    outer: FunctionTool,
-    inner: FunctionTool,
-    guard: Guard,
-    scope: ScopeSource,
-    *,
-    answers_failures: bool,
-    timeout: float | None,
-    timeout_behavior: str,
-    timeout_error_function: Callable[..., Any] | None,
-) -> Callable[[ToolContext[Any], str], Awaitable[Any]]:
+class _Invoker:
+    """A protected tool's ``on_invoke_tool``: each call's intent, its claim, and the answer."""
+
+    def __init__(
+        self,
+        outer: FunctionTool,
+        inner: FunctionTool,
+        guard: Guard,
+        scope: ScopeSource,
+        *,
+        function: _Function | None,
+        answers_failures: bool,
+        timeout: float | None,
+    ) -> None:
+        self.outer = outer
+        self.inner = inner
+        self.guard = guard
+        self.scope = scope
+        self.function = function
+        self.answers_failures = answers_failures
+        self.timeout = timeout
+        self.timeout_behavior = outer.timeout_behavior
+        self.timeout_error_function = outer.timeout_error_function
+
     # The SDK hands the ToolContext (with run_config) only to an invoker whose first parameter
     # is annotated with it; a RunContextWrapper annotation would get a stripped context.
-    async def invoke(ctx: ToolContext[Any], raw_json_args: str) -> Any:
-        try:
-            arguments = _arguments(outer, raw_json_args)
-        except ModelBehaviorError as exc:
-            return await _failed(outer, ctx, exc, answers_failures)
+    async def __call__(self, ctx: ToolContext[Any], raw_json_args: str) -> Any:
+        outer, guard = self.outer, self.guard
+        prepared: Any = None
+        arguments: dict[str, Any] | None = None
+        if self.function is not None:
+            try:
+                prepared = self.function.prepared(ctx, raw_json_args)
+            except Exception as exc:
+                # The SDK's own validation refused the call: the body never runs, as without
+                # twiceshy, and the SDK answers.
+                return await _failed(outer, ctx, exc, self.answers_failures)
+            arguments = self.function.received(prepared)
+        raw: dict[str, Any] | None = None
+        if arguments is None:
+            try:
+                arguments = raw = _arguments(outer, raw_json_args)
+            except ModelBehaviorError as exc:
+                return await _failed(outer, ctx, exc, self.answers_failures)
         # A SAFE tool keeps no record: it needs no key, so no scope either.
-        run_scope = _scope(scope, ctx, guard.name) if guard.recorded else None
+        run_scope = _scope(self.scope, ctx, guard.name) if guard.recorded else None
+        if run_scope is not None and raw is None:
+            arguments = _keyable(guard, arguments, outer, raw_json_args, run_scope)
+        handed = [prepared]
 
         async def attempt() -> Any:
+            given, handed[0] = handed[0], None
+            if given is not None and hasattr(ctx, "_function_tool_arguments"):
+                # The function receives the very values that named the intent; a later attempt
+                # has the SDK prepare them afresh from the same JSON (equal values).
+                ctx._function_tool_arguments = given
             try:
-                return await inner.on_invoke_tool(ctx, raw_json_args)
+                output = await self.inner.on_invoke_tool(ctx, raw_json_args)
             except ModelBehaviorError as exc:
                 # Arguments the tool's schema refuses: the body never ran. Any other error
                 # (this one raised from inside the body included) stays ambiguous.
                 if str(exc).startswith(_SDK_REFUSAL):
                     raise _ArgumentsRefused(exc) from exc
                 raise
+            return _as_kept(guard, outer, output)
 
         async def work() -> Any:
-            if timeout is None:
+            if self.timeout is None:
                 return await attempt()
             try:
-                async with asyncio.timeout(timeout) as deadline:
+                async with asyncio.timeout(self.timeout) as deadline:
                     return await attempt()
             except TimeoutError as exc:
                 if deadline.expired():
-                    raise _AttemptTimedOut(f"{guard.name} outlasted {timeout:g}s") from exc
+                    raise _AttemptTimedOut(
+                        f"the tool {guard.name!r} did not finish within {self.timeout:g} seconds"
+                    ) from exc
                 raise
 
         try:
             return await guard.acall(arguments, work, scope=run_scope)
-        except _FOR_THE_MODEL as exc:
-            if outer.output_json_schema is not None:
-                # A tool with a declared output schema cannot answer in text (the SDK refuses
-                # the output): the run stops with the honest error instead.
-                raise
-            return str(exc)
         except _ALWAYS_RAISED:
             raise
-        except _ArgumentsRefused as exc:
-            return await _failed(outer, ctx, exc.error, answers_failures)
-        except _AttemptTimedOut as exc:
-            # A KEYED or SAFE tool's last attempt timed out: its retry is safe, so the SDK's
-            # own timeout policy answers.
-            assert timeout is not None
-            error = ToolTimeoutError(tool_name=outer.name, timeout_seconds=timeout)
-            if timeout_behavior == "raise_exception":
-                raise error from exc
-            if timeout_error_function is None:
-                return default_tool_timeout_error_message(
-                    tool_name=outer.name, timeout_seconds=timeout
-                )
-            answer = timeout_error_function(ctx, error)
-            return await answer if inspect.isawaitable(answer) else answer
         except Exception as exc:
-            return await _failed(outer, ctx, exc, answers_failures)
+            text = for_the_model(guard, exc, arguments, scope=run_scope)
+            if text is not None:
+                if outer.output_json_schema is not None:
+                    # A tool with a declared output schema cannot answer in text (the SDK
+                    # refuses the output): the run stops with the honest error instead.
+                    raise
+                return text
+            if isinstance(exc, _ArgumentsRefused):
+                return await _failed(outer, ctx, exc.error, self.answers_failures)
+            if isinstance(exc, _AttemptTimedOut):
+                return await self._timed_out(ctx, exc)
+            return await _failed(outer, ctx, exc, self.answers_failures)
 
-    return invoke
+    async def _timed_out(self, ctx: ToolContext[Any], exc: _AttemptTimedOut) -> Any:
+        """The SDK's timeout policy, for a timeout whose retry is safe (a SAFE tool's)."""
+        assert self.timeout is not None
+        error = ToolTimeoutError(tool_name=self.outer.name, timeout_seconds=self.timeout)
+        if self.timeout_behavior == "raise_exception":
+            raise error from exc
+        if self.timeout_error_function is None:
+            return default_tool_timeout_error_message(
+                tool_name=self.outer.name, timeout_seconds=self.timeout
+            )
+        answer = self.timeout_error_function(ctx, error)
+        return await answer if inspect.isawaitable(answer) else answer
+
+
+def _guard_for(ledger: Ledger, tool: FunctionTool, effect: Effect) -> Guard:
+    """The guard ``protect`` builds for a tool declared by its effect class alone."""
+    try:
+        fn: Callable[..., Any] | None = tool.__wrapped__
+    except AttributeError:
+        fn = None
+    # A function that calls twiceshy.point_of_no_return() says where its effect starts.
+    effect_at: Literal["mark"] | None = "mark" if effect_at_of(fn) == "mark" else None
+    try:
+        return ledger.guard(
+            tool.qualified_name, effect=effect, returns=_returns(fn), effect_at=effect_at
+        )
+    except ResultNotStorable:
+        # A return type with no JSON form: the SDK shows the model str() of such a result, and
+        # the ledger keeps that text (see _as_kept).
+        return ledger.guard(tool.qualified_name, effect=effect, effect_at=effect_at)
+
+
+def _as_kept(guard: Guard, tool: FunctionTool, output: Any) -> Any:
+    """The output as the ledger is to keep it: itself, or, where it has no JSON form, the text
+    the model reads for it (the SDK shows it ``str(output)``), so that a replay reads the same."""
+    if type(output) in _PLAIN or not guard.recorded or tool.output_json_schema is not None:
+        return output
+    try:
+        _ANY_SIZE.encode(output)
+    except ResultNotStorable:
+        try:
+            return str(output)
+        except Exception:  # no text either: the ledger records that it ran, all the same
+            return output
+    # One too large to keep (an image, say) stays itself: the ledger records that it ran.
+    return output
+
+
+def _keyable(
+    guard: Guard, arguments: dict[str, Any], tool: FunctionTool, raw_json_args: str, scope: str
+) -> dict[str, Any]:
+    """``arguments``, or the model's JSON where a value the SDK made has no key form
+    (a type twiceshy cannot write, which the SDK accepts): never refuse a call the SDK runs."""
+    try:
+        guard.key_for(arguments, scope=scope)
+    except UnkeyableType:
+        try:
+            return _arguments(tool, raw_json_args)
+        except ModelBehaviorError:  # pragma: no cover - the SDK parsed this JSON
+            return arguments
+    except Exception:  # the call itself answers (a refused value, a bound)
+        return arguments
+    return arguments
 
 
 async def _failed(
@@ -308,7 +486,8 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _arguments(tool: FunctionTool, raw_json_args: str) -> dict[str, Any]:
-    """The arguments that name the intent: the model's JSON object, schema defaults filled in."""
+    """The arguments that name the intent of a tool with no Python function: the model's JSON
+    object, the schema's defaults filled in."""
     try:
         parsed = json.loads(raw_json_args, parse_constant=_refuse_constant) if raw_json_args else {}
     except ValueError as exc:
@@ -316,20 +495,20 @@ def _arguments(tool: FunctionTool, raw_json_args: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ModelBehaviorError(f"Invalid JSON input for tool {tool.name}: expected a JSON object")
     # An omitted parameter and its default passed explicitly are one intent.
-    properties = tool.params_json_schema.get("properties")
-    if isinstance(properties, Mapping):
-        for name, spec in properties.items():
-            if name not in parsed and isinstance(spec, Mapping) and "default" in spec:
-                parsed[name] = spec["default"]
-    return parsed
+    return with_schema_defaults(parsed, tool.params_json_schema)
 
 
 def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
-    """The call's scope; ``MissingScope`` when there is none."""
-    active = current_scope()
-    if active is not None:
-        return active
-    value: object
+    """The call's scope; ``MissingScope`` when there is none.
+
+    The application's scope comes first (a ``twiceshy.run`` it entered, then ``scope=``); then
+    the scope a nested run inherits from the protected call it runs in; then, without
+    ``scope=``, the SDK's ``RunConfig.group_id``.
+    """
+    entered = entered_scope()
+    if entered is not None and not entered[1]:
+        return entered[0]
+    value: object = None
     if callable(source):
         value, origin = source(ctx), "the scope= function"
     elif isinstance(source, str):
@@ -339,9 +518,13 @@ def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
         else:
             value = getattr(context, source, None)
         origin = f"the run context's {source!r}"
-    else:
-        value = ctx.run_config.group_id if ctx.run_config is not None else None
-        origin = "RunConfig.group_id"
+    if value is None or value == "":
+        inherited = inherited_scope()
+        if inherited is not None:
+            return inherited
+        if source is None:
+            value = ctx.run_config.group_id if ctx.run_config is not None else None
+            origin = "RunConfig.group_id"
     if value is None or value == "":
         raise MissingScope(
             f"the tool {tool!r} has no scope: {origin} is not set. Give each run a stable id "
@@ -353,13 +536,12 @@ def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
     return value
 
 
-def _returns(tool: FunctionTool) -> Any:
+def _returns(fn: Callable[..., Any] | None) -> Any:
     """The return annotation of the function behind a ``@function_tool``, if there is one."""
-    try:
-        fn = tool.__wrapped__
-    except AttributeError:
+    if fn is None:
         return None
+    target = fn if inspect.isroutine(fn) else type(fn).__call__
     try:
-        return inspect.get_annotations(fn, eval_str=True).get("return")
+        return inspect.get_annotations(target, eval_str=True).get("return")
     except Exception:  # an annotation that does not evaluate: results replay as plain JSON
         return None
