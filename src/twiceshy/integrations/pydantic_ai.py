@@ -13,41 +13,57 @@ outermost), and pass the run a stable ``run_id``::
 
 What it does with a tool call (``AbstractCapability.wrap_tool_execute``):
 
-- The intent is (scope, tool name, arguments): the arguments exactly as the model sent them
-  (``ToolCallPart.args``, parsed, with the tool schema's defaults filled in for omitted
-  parameters), never the tool-call id, which changes every time the model calls again. What
-  Pydantic AI injects (``RunContext``, dependencies) is no part of them.
-- The scope is the run's ``RunContext.run_id`` (``agent.run(..., run_id=...)``; without one
-  Pydantic AI draws a fresh UUID7 per run, so pass a stable id for retries across processes;
-  a durable engine derives it from its workflow run). An enclosing ``twiceshy.run(...)`` comes
-  before it, and ``scope=`` replaces both with a function of the ``RunContext``.
+- The intent is (scope, tool name, arguments): the arguments the tool function receives, by
+  parameter name - Pydantic AI's validated arguments, bound to the function's signature with its
+  defaults (``"2"`` coerced to ``2``, an omitted optional argument and its default sent, an enum
+  or a nested model given by its fields: one intent each). What Pydantic AI injects
+  (``RunContext``) is no part of them, nor the tool-call id, which changes every time the model
+  calls again. A tool with no Python function behind it (an MCP toolset, an external tool) is
+  keyed by the JSON the model sent, with the schema's defaults.
+- The scope is, in this order: ``scope(ctx)`` when the capability has a ``scope=`` function;
+  else ``twiceshy.current_scope()``, that is a ``twiceshy.run(...)`` around the run, or - for a
+  run started inside a protected tool (a sub-agent a tool delegates to) - the scope that tool's
+  call passes on, derived from its key, so every retry of the outer call names the same inner
+  intents; else the run's ``RunContext.run_id`` (``agent.run(..., run_id=...)``; without one
+  Pydantic AI draws a fresh UUID7 per run, so pass a stable id for retries across processes).
 - The effect class comes from the ``effects`` mapping, else from the tool's metadata
   (``metadata={"twiceshy": "keyed"}``), else from ``default=``; a tool with none raises
-  :class:`EffectNotDeclared` before it runs and ends the run.
-- ``OutcomeUnknown`` and ``InProgress`` reach the model as ``ToolFailed``: a failed tool result
-  with twiceshy's message (it may have happened, it will not be run again, tell the user), which
-  asks for no retry and uses none of the tool's retry budget. Never as ``ModelRetry``.
-- A result is replayed as the tool function's annotated return type (a ``ToolReturn``, a
-  dataclass, a pydantic model...), so the model reads what the first call gave it; a
-  :class:`twiceshy.Guard` given in ``effects`` keeps its own ``returns=``.
+  :class:`EffectNotDeclared` before it runs and ends the run. A KEYED or UNSAFE tool whose
+  return annotation has no JSON form raises :class:`twiceshy.ResultNotStorable` on its first
+  call, before it runs, and ends the run.
+- What twiceshy must word itself reaches the model as ``ToolFailed`` (a failed tool result that
+  asks for no retry and uses none of the tool's retry budget; never ``ModelRetry``): an unknown
+  outcome, a call in progress, a refused key, a result that ran but could not be kept, and a
+  KEYED tool whose attempts ran out (it may have taken effect; calling again later is safe).
+  Reasons name the tool's own error (``TimeoutError``), never Pydantic AI's wrappers.
+- Results: the model reads the stored form on the first call as on every replay (the guards
+  answer with their stored results), rebuilt as the tool function's return annotation; a
+  ``ToolReturn`` and multimodal parts (``BinaryContent``, ``ImageUrl``...) are rebuilt as
+  Pydantic AI's own types. A :class:`twiceshy.Guard` given in ``effects`` keeps its own
+  ``returns=``.
 - How the ledger reads what the tool did: a result is recorded and replayed; ``ToolFailed`` is a
   certain failure, recorded and replayed; a deferral (``CallDeferred``, ``ApprovalRequired``,
   ``SkipToolExecution``) and a ``ModelRetry`` raised outside any ``except`` block (a refusal:
-  "no such customer") mean nothing took effect, and the call may run again; anything else - an
-  exception, Pydantic AI's own ``timeout=`` (which it turns into a retry request), a
-  ``ModelRetry`` raised while handling an error - may have taken effect: a KEYED tool is run
-  again with the same key, an UNSAFE one is not run again.
+  "no such customer") mean nothing took effect, and the call may run again, as does any error
+  raised before the tool calls ``twiceshy.point_of_no_return()``; anything else - an exception,
+  Pydantic AI's own ``timeout=`` (which it turns into a retry request), a ``ModelRetry`` raised
+  while handling an error - may have taken effect: a KEYED tool is run again with the same key,
+  an UNSAFE one is not run again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import json
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
+import pydantic
 from pydantic_ai.capabilities import (
     AbstractCapability,
     ValidatedToolArgs,
@@ -64,24 +80,36 @@ from pydantic_ai.exceptions import (
     UnexpectedModelBehavior,
     UserError,
 )
-from pydantic_ai.messages import ToolCallPart, ToolReturnPart
+from pydantic_ai.messages import (
+    MULTI_MODAL_CONTENT_TYPES,
+    CachePoint,
+    StructuredContent,
+    TextContent,
+    ToolCallPart,
+    ToolReturn,
+    ToolReturnPart,
+    UserContent,
+)
 from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
 from pydantic_ai.toolsets.function import FunctionToolsetTool
 
 from twiceshy import (
+    SAFE,
     Effect,
     Guard,
-    InProgress,
-    KeyReuseMismatch,
     Ledger,
     MissingScope,
     NotApplied,
-    OutcomeUnknown,
     TwiceshyError,
-    UnkeyableArgument,
     current_scope,
 )
 from twiceshy._codec import ReturnOf
+from twiceshy.integrations._calls import (
+    effect_at_of,
+    for_the_model,
+    received,
+    with_schema_defaults,
+)
 
 __all__ = [
     "METADATA_KEY",
@@ -96,10 +124,6 @@ METADATA_KEY = "twiceshy"
 
 ScopeFunction = Callable[[RunContext[AgentDepsT]], "str | None"]
 """``scope(ctx)``: the run's scope for one tool call, or ``None`` when it has none."""
-
-# Refusals from twiceshy that the model should read: nothing (more) runs, and running the same
-# call again cannot help. They become ``ToolFailed``: no retry prompt, no retry budget.
-_ANSWERED = (OutcomeUnknown, InProgress, KeyReuseMismatch, UnkeyableArgument)
 
 # Pydantic AI's signals that the tool was not run (yet): another capability deferred or skipped it.
 _NOT_RUN = (CallDeferred, ApprovalRequired, SkipToolExecution)
@@ -117,8 +141,23 @@ class _NothingHappened(NotApplied):
     """Carries a Pydantic AI signal that means "nothing took effect" through the ledger."""
 
     def __init__(self, signal: Exception) -> None:
-        super().__init__(f"the tool did not take effect ({type(signal).__name__})")
+        cause = signal.__cause__ if isinstance(signal, ToolRetryError) else signal
+        super().__init__(f"the tool did not take effect ({type(cause).__name__})")
         self.signal = signal
+
+
+class _Wrapped(Exception):
+    """Carries a retry request Pydantic AI made from the tool's own error (its ``timeout=``, a
+    ``ModelRetry`` raised while handling an error) through the ledger. Its ``__cause__`` is that
+    error, which the reasons the model reads name (a guard's ``wrappers``)."""
+
+    def __init__(self, signal: Exception) -> None:
+        super().__init__("the tool's error, as a retry request")
+        self.signal = signal
+
+
+# Pydantic AI's exception types around the tool's own error, and the adapter's own.
+_WRAPPERS: tuple[type[BaseException], ...] = (_Wrapped, ToolRetryError, UnexpectedModelBehavior)
 
 
 def run_scope(ctx: RunContext[Any]) -> str | None:
@@ -138,13 +177,17 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         ledger: where intents are claimed and outcomes kept.
         effects: each tool's effect class by tool name (``twiceshy.SAFE``, ``KEYED``,
             ``UNSAFE``), or a :class:`twiceshy.Guard` of that name for more options (attempts,
-            ``key_args=``, ``reconcile=``...; it keeps its own ledger, and ``ToolFailed`` is
-            added to its ``definite=`` types). Wins over the tool's metadata.
+            ``key_args=``, ``reconcile=``...; it keeps its own ledger, ``returns=`` and
+            ``effect_at=``; ``ToolFailed`` is added to its ``definite=`` types, and it answers
+            with stored results, as the capability's own guards do). Wins over the tool's
+            metadata.
         default: the effect class of tools neither in ``effects`` nor carrying one in their
             metadata (``metadata={"twiceshy": "keyed"}``). Without it, calling such a tool raises
             :class:`EffectNotDeclared`.
-        scope: ``scope(ctx)`` gives the run's scope instead of an enclosing ``twiceshy.run(...)``
-            or the run's ``run_id``; ``None`` from it means the call has no scope.
+        scope: ``scope(ctx)`` gives the run's scope instead of ``twiceshy.current_scope()`` (an
+            enclosing ``twiceshy.run(...)``, or the scope an enclosing protected tool passes on
+            to the runs it starts) and the run's ``run_id``; ``None`` from it means the call has
+            no scope.
 
     Raises:
         TypeError: the ledger, an effect or the default is of the wrong kind.
@@ -178,10 +221,9 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             if isinstance(effect, Guard):
                 if effect.name != name:
                     raise ValueError(f"the guard for the tool {name!r} is named {effect.name!r}")
-                if not any(issubclass(ToolFailed, kind) for kind in effect.policy.definite):
-                    # A ToolFailed is a certain failure, to be replayed.
-                    effect = effect.with_errors(definite=(ToolFailed,))
-                guards[name] = effect
+                # A ToolFailed is a certain failure, to be replayed.
+                definite = () if _is_definite(effect) else (ToolFailed,)
+                guards[name] = _answering(effect.with_errors(definite=definite))
             elif isinstance(effect, Effect):
                 guards[name] = _guard(ledger, name, effect)
                 classes[name] = effect
@@ -226,12 +268,15 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             The first run's result, or the recorded one replayed.
 
         Raises:
-            ToolFailed: twiceshy's honest answer (``OutcomeUnknown``, ``InProgress``, a refused
-                key), or the tool's own certain failure, replayed.
-            EffectNotDeclared, MissingScope: before anything runs; they end the run.
+            ToolFailed: twiceshy's words for the model (an unknown outcome, a call in progress,
+                a refused key, a result not kept, a KEYED tool out of attempts), or the tool's
+                own certain failure, replayed.
+            EffectNotDeclared, MissingScope, ResultNotStorable: before anything runs; they end
+                the run.
         """
-        guard = self._guard_for(ctx, tool_def)
-        arguments = _arguments(call, tool_def)
+        schema = _tool_schema(ctx, tool_def.name)
+        guard = self._guard_for(tool_def, schema)
+        arguments = _arguments(ctx, call, tool_def, args, schema)
         scope = self._scope_for(ctx, guard) if guard.recorded else None
 
         async def work() -> Any:
@@ -242,24 +287,34 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             except Exception as exc:
                 if _nothing_happened(exc):
                     raise _NothingHappened(exc) from exc
+                own = _own_error(exc)
+                if own is not None:
+                    raise _Wrapped(exc) from own
                 raise
 
         signal: Exception
         try:
-            return await guard.acall(arguments, work, scope=scope)
+            value = await guard.acall(arguments, work, scope=scope)
         except _NothingHappened as exc:
             signal = exc.signal
         except ToolFailed as exc:
             # The tool's own failure goes on as Pydantic AI made it; a replay as rebuilt.
             signal = exc.__cause__ if isinstance(exc.__cause__, ToolFailedError) else exc
-        except _ANSWERED as exc:
-            raise ToolFailed(str(exc)) from exc
+        except Exception as exc:
+            text = for_the_model(guard, exc, arguments, scope=scope)
+            if text is not None:
+                raise ToolFailed(text) from exc
+            if not isinstance(exc, _Wrapped):
+                raise
+            signal = exc.signal  # e.g. a SAFE tool's timeout: Pydantic AI's own retry request
+        else:
+            return _live(value) if guard.recorded else value
         # Raised outside the handler above, so the signal keeps its own context.
         raise _for_call(signal, call)
 
     # -- shared, no I/O --------------------------------------------------------------------
 
-    def _guard_for(self, ctx: RunContext[AgentDepsT], tool_def: ToolDefinition) -> Guard:
+    def _guard_for(self, tool_def: ToolDefinition, schema: Any) -> Guard:
         """The guard of the called tool: by name, else by its metadata, else the default."""
         name = tool_def.name
         effect = self._effects.get(name)
@@ -274,7 +329,7 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 f"effects ({{{name!r}: twiceshy.SAFE | KEYED | UNSAFE}}), set metadata="
                 f"{{{METADATA_KEY!r}: 'keyed'}} on the tool, or give default=; it did not run"
             )
-        function = _tool_function(ctx, name)
+        function = _function_of(schema)
         if function is None:  # not a Python function tool (MCP, external): replays as JSON
             return self.guards.get(name) or _guard(self.ledger, name, effect)
         try:
@@ -283,11 +338,15 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             return _guard(self.ledger, name, effect, function)
         guard = typed.get((name, effect))
         if guard is None:
+            # Made on the tool's first call, before it runs: a return annotation the ledger
+            # cannot keep raises ResultNotStorable here, and the run ends with nothing run.
             guard = typed[name, effect] = _guard(self.ledger, name, effect, function)
         return guard
 
     def _scope_for(self, ctx: RunContext[AgentDepsT], guard: Guard) -> str:
-        """The call's scope: ``scope(ctx)``, else ``twiceshy.run(...)``, else the run id."""
+        """The call's scope: ``scope(ctx)``, else ``twiceshy.current_scope()`` (an enclosing
+        ``twiceshy.run(...)``, or the scope an enclosing protected call passes on to the runs
+        started inside it: a sub-agent's), else the run id, which a nested run draws afresh."""
         if self.scope is not None:
             scope = self.scope(ctx)
             where = "the scope= function returned no scope"
@@ -304,14 +363,37 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
 def _guard(
     ledger: Ledger, name: str, effect: Effect, function: Callable[..., Any] | None = None
 ) -> Guard:
-    """A guard with the adapter's defaults: ``ToolFailed`` is a certain failure, and results
-    replay as ``function``'s return annotation (read when first needed)."""
-    returns = ReturnOf(function) if function is not None else None
-    return ledger.guard(name, effect=effect, definite=(ToolFailed,), returns=returns)
+    """A guard with the adapter's defaults: ``ToolFailed`` is a certain failure, results
+    replay as ``function``'s return annotation (read when first needed), and an error raised
+    before the function calls ``twiceshy.point_of_no_return()`` means nothing happened.
+
+    Raises:
+        ResultNotStorable: a recorded tool's return annotation has no JSON form.
+    """
+    # A SAFE tool's results are not kept: whatever it returns is fine.
+    returns = ReturnOf(function) if function is not None and effect is not SAFE else None
+    effect_at: Literal["mark"] | None = "mark" if effect_at_of(function) == "mark" else None
+    guard = ledger.guard(
+        name, effect=effect, definite=(ToolFailed,), returns=returns, effect_at=effect_at
+    )
+    return _answering(guard)
 
 
-def _tool_function(ctx: RunContext[Any], name: str) -> Callable[..., Any] | None:
-    """The Python function behind the called tool, or ``None`` when it is not a function tool.
+def _answering(guard: Guard) -> Guard:
+    """``guard``, answering as the model should read it: reasons name the tool's own error,
+    never Pydantic AI's wrappers, and the first caller gets the result as stored, as every
+    replay does, so the model reads the same text each time."""
+    return guard.with_errors(wrappers=_WRAPPERS).with_stored_answers()
+
+
+def _is_definite(guard: Guard) -> bool:
+    """Whether ``guard`` already reads a ``ToolFailed`` as a certain failure."""
+    return any(issubclass(ToolFailed, kind) for kind in guard.policy.definite)
+
+
+def _tool_schema(ctx: RunContext[Any], name: str) -> Any:
+    """The function schema of the called tool (Pydantic AI's ``FunctionSchema``: the function,
+    and how its validated arguments are passed), or ``None`` when it is not a function tool.
 
     Combining toolsets keep the tool they were given as ``source_tool``; renaming and prefixing
     ones keep its ``call_func``, the bound ``call`` of the function's schema.
@@ -322,8 +404,77 @@ def _tool_function(ctx: RunContext[Any], name: str) -> Callable[..., Any] | None
         tool = getattr(tool, "source_tool", None)
     if tool is None:
         return None
-    function = getattr(getattr(tool.call_func, "__self__", None), "function", None)
+    schema = getattr(tool.call_func, "__self__", None)
+    return schema if callable(getattr(schema, "function", None)) else None
+
+
+def _function_of(schema: Any) -> Callable[..., Any] | None:
+    """The Python function behind a tool's schema, if any."""
+    function = getattr(schema, "function", None)
     return function if callable(function) else None
+
+
+def _arguments(
+    ctx: RunContext[Any],
+    call: ToolCallPart,
+    tool_def: ToolDefinition,
+    args: ValidatedToolArgs,
+    schema: Any,
+) -> dict[str, Any]:
+    """The call's arguments as the tool function receives them, by parameter name.
+
+    Bound as Pydantic AI passes them (``FunctionSchema._call_args``): the context first where
+    the function takes one (left out of the intent), then its positional fields and ``*args``,
+    the rest by name. A tool with no function, or arguments that do not bind (nothing Pydantic
+    AI would pass), are keyed by the model's JSON with the schema's defaults instead: never left
+    unprotected.
+    """
+    function = _function_of(schema)
+    if function is not None and isinstance(args, dict):
+        try:
+            named = dict(args)
+            takes_ctx = bool(getattr(schema, "takes_ctx", False))
+            positional: list[Any] = [ctx] if takes_ctx else []
+            for name in getattr(schema, "positional_fields", None) or ():
+                positional.append(named.pop(name))
+            rest = getattr(schema, "var_positional_field", None)
+            if rest:
+                positional.extend(named.pop(rest))
+            inject = (_first_parameter(function),) if takes_ctx else ()
+            return received(function, positional, named, inject=inject)
+        except (TypeError, ValueError, KeyError):
+            pass
+    return with_schema_defaults(call.args_as_dict(), tool_def.parameters_json_schema)
+
+
+def _first_parameter(function: Callable[..., Any]) -> str:
+    """The name of the function's first parameter: where Pydantic AI passes the context.
+
+    Raises:
+        ValueError: the function has no readable signature, or no parameter.
+    """
+    for name in inspect.signature(function).parameters:
+        return name
+    raise ValueError("the tool takes no context parameter")
+
+
+def _own_error(error: Exception) -> BaseException | None:
+    """The tool's own error inside a retry request Pydantic AI made from it, or ``None``.
+
+    A ``ModelRetry`` raised while handling an error - Pydantic AI's ``timeout=`` raises one from
+    its ``TimeoutError`` - reaches here as a ``ToolRetryError`` (or, past the tool's retry budget,
+    an ``UnexpectedModelBehavior``) caused by it.
+    """
+    retry = error.__cause__ if isinstance(error, ToolRetryError | UnexpectedModelBehavior) else None
+    if not isinstance(retry, ModelRetry):
+        return None
+    own = retry.__cause__ or retry.__context__
+    if isinstance(own, TimeoutError) and not str(own):
+        # The bare TimeoutError of the timeout's cancel scope: said with Pydantic AI's words.
+        timed_out = TimeoutError(retry.message)
+        timed_out.__cause__ = own
+        return timed_out
+    return own
 
 
 def _for_call(signal: Exception, call: ToolCallPart) -> Exception:
@@ -363,21 +514,6 @@ def _declared(tool_def: ToolDefinition) -> Effect | None:
     )
 
 
-def _arguments(call: ToolCallPart, tool_def: ToolDefinition) -> dict[str, Any]:
-    """The call's arguments as the model sent them, with the schema's top-level defaults.
-
-    An omitted parameter and its default spelled out are one intent. The defaults are read from
-    the JSON schema the model was shown, so they are JSON like the arguments themselves.
-    """
-    arguments = dict(call.args_as_dict())
-    properties = tool_def.parameters_json_schema.get("properties")
-    if isinstance(properties, dict):
-        for name, spec in properties.items():
-            if name not in arguments and isinstance(spec, dict) and "default" in spec:
-                arguments[name] = spec["default"]
-    return arguments
-
-
 def _nothing_happened(error: Exception) -> bool:
     """Whether a Pydantic AI signal from the tool's run means that nothing took effect.
 
@@ -393,3 +529,58 @@ def _nothing_happened(error: Exception) -> bool:
     if isinstance(error, ToolRetryError | UnexpectedModelBehavior):
         retry = error.__cause__
     return isinstance(retry, ModelRetry) and retry.__context__ is None and retry.__cause__ is None
+
+
+# -- results as Pydantic AI reads them -----------------------------------------------------
+
+# Pydantic AI's content parts by their ``kind``: stored as JSON objects, rebuilt on the way out.
+_PART_KINDS = frozenset(
+    str(kind)
+    for kind in (
+        getattr(part, "kind", None)
+        for part in (*MULTI_MODAL_CONTENT_TYPES, TextContent, StructuredContent, CachePoint)
+    )
+    if isinstance(kind, str)
+)
+_TOOL_RETURN_FIELDS = frozenset(f.name for f in dataclasses.fields(ToolReturn))
+
+
+@functools.cache
+def _parts() -> pydantic.TypeAdapter[Any]:
+    """Validates one content part from its JSON text; bytes as base64, as the ledger keeps them."""
+    return pydantic.TypeAdapter(UserContent, config=pydantic.ConfigDict(val_json_bytes="base64"))
+
+
+def _live(value: Any) -> Any:
+    """A result as it came from the ledger, with what Pydantic AI reads by type rebuilt: a
+    ``ToolReturn`` (its ``content`` goes to the model apart from the result, its ``metadata``
+    not at all) and content parts (``BinaryContent``, ``ImageUrl``..., which the model sees as
+    files, not as JSON). Anything else is left as it is."""
+    if isinstance(value, ToolReturn):
+        result, content = _live(value.return_value), _live(value.content)
+        if result is value.return_value and content is value.content:
+            return value
+        return dataclasses.replace(value, return_value=result, content=content)
+    if isinstance(value, list):
+        items = [_live(item) for item in value]
+        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("kind")
+    if kind == "tool-return" and "return_value" in value and value.keys() <= _TOOL_RETURN_FIELDS:
+        return ToolReturn(
+            return_value=_live(value["return_value"]),
+            content=_live(value.get("content")),
+            metadata=value.get("metadata"),
+            tools=value.get("tools"),
+        )
+    if isinstance(kind, str) and kind in _PART_KINDS:
+        # The ledger keeps a dataclass by its fields; Pydantic AI names the private ones
+        # (``_identifier``, ``_media_type``) by their aliases.
+        fields = {name.removeprefix("_"): item for name, item in value.items()}
+        try:
+            return _parts().validate_json(json.dumps(fields))
+        except (ValueError, TypeError):  # not one of Pydantic AI's parts after all
+            return value
+    entries = {name: _live(item) for name, item in value.items()}
+    return entries if any(entries[name] is not item for name, item in value.items()) else value
