@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TYPE_CHECKING
 
 import pytest
 
 import twiceshy
-from conftest import FakeClock
 from twiceshy import Effect
 from twiceshy._protocol import describe
 from twiceshy.stores import Store
 from twiceshy.stores.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 
 @pytest.fixture
@@ -119,16 +122,19 @@ class Wrapper(Exception):
 
 
 def test_descriptions_name_the_users_own_error_briefly() -> None:
-    """A private class reads as its public base, a wrapper as its cause, and a long message
-    (a task's repr) is cut short."""
+    """A private class reads as its public base, a wrapper as its cause, a cancellation without
+    the event loop's task repr, and a long message is cut short."""
     assert describe(_Timeout("charge outlasted 5s")) == "TimeoutError: charge outlasted 5s"
     wrapped = Wrapper("Retry: the tool failed")
     wrapped.__cause__ = KeyError("card")
     assert describe(wrapped, (Wrapper,)) == "KeyError: 'card'"
     assert describe(wrapped) == "Wrapper: Retry: the tool failed"
-    long = describe(asyncio.CancelledError("Task cancelled: <Task " + "x" * 500 + ">"))
-    assert long.startswith("CancelledError: Task cancelled")
-    assert len(long) <= len("CancelledError: ") + 200
+    cancelled = asyncio.CancelledError("Cancelled via cancel scope 7f by <Task " + "x" * 500)
+    assert describe(cancelled) == "CancelledError"  # the loop's words, not the user's
+    long = describe(RuntimeError("the gateway said: " + "x" * 500))
+    assert long.startswith("RuntimeError: the gateway said: xxx")
+    assert long.endswith("...")
+    assert len(long) == len("RuntimeError: ") + 200
 
 
 def test_a_reason_names_the_cause_of_a_declared_wrapper() -> None:

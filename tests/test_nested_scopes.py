@@ -113,3 +113,35 @@ def test_async_sub_tasks_inherit_the_scope(ledger: twiceshy.Ledger) -> None:
     outer = delegate.twiceshy.key_for({"task": "pay both"}, scope="run-5")  # type: ignore[attr-defined]
     keys = {r.key for r in ledger.store.records("")}
     assert {twiceshy.idempotency_key(outer, "charge", {"amount": n}) for n in (1, 2)} <= keys
+
+
+def test_a_safe_call_kept_out_of_the_ledger_passes_a_nested_scope_on(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A delegating tool declared SAFE (kept out of the ledger) still gives the runs inside it
+    a scope derived from its intent: two delegations with other arguments charge twice, the same
+    one retried charges once."""
+    charges: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def charge(amount: int) -> int:
+        charges.append(amount)
+        return amount
+
+    @ledger.tool(effect=twiceshy.SAFE)
+    def delegate(order: str) -> int:
+        return charge(4900)
+
+    @ledger.tool(effect=twiceshy.SAFE)
+    async def adelegate(order: str) -> int:
+        return charge(100)
+
+    with twiceshy.run("run-6"):
+        assert delegate("o-1") == delegate("o-1") == 4900
+        assert delegate("o-2") == 4900
+        assert asyncio.run(adelegate("o-3")) == asyncio.run(adelegate("o-3")) == 100
+    assert charges == [4900, 4900, 100]
+    outer = twiceshy.idempotency_key("run-6", "delegate", {"order": "o-1"})
+    assert twiceshy.idempotency_key(outer, "charge", {"amount": 4900}) in {
+        r.key for r in ledger.store.records("")
+    }

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 import twiceshy
-from conftest import FakeClock
 from twiceshy import Change, State
 from twiceshy.stores import Store
 from twiceshy.stores.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from conftest import FakeClock
 
 
 @pytest.fixture

@@ -132,6 +132,7 @@ class Binder:
     __slots__ = (
         "_count",
         "_defaults",
+        "_in_order",
         "_injected",
         "_key_param",
         "_positional",
@@ -167,6 +168,8 @@ class Binder:
         self._positional = tuple(
             p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         )
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self._in_order = tuple(p.name for p in params if p.kind in by_position)
         self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
         self._count = len(params)
 
@@ -229,6 +232,34 @@ class Binder:
             if len(named) < self._count:
                 return None
         return named
+
+    def with_injected(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with a stand-in for each injected parameter given neither way:
+        a framework may keep its injected values to itself, and they name nothing anyway."""
+        given = set(kwargs) | set(self._in_order[: len(args)])
+        parameters = self._signature.parameters
+        missing = [
+            name
+            for name in self._injected
+            if name in parameters
+            and name not in given
+            and parameters[name].kind
+            not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ]
+        if not missing:
+            return args, dict(kwargs)
+        # A positional-only injected parameter (a context first) takes its place in args.
+        named = dict(kwargs)
+        positional = list(args)
+        for name in missing:
+            kind = self._signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.insert(self._in_order.index(name), None)
+            else:
+                named[name] = None
+        return tuple(positional), named
 
     def call_args(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], key: str

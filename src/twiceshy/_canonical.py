@@ -259,7 +259,8 @@ def _datetime_text(x: datetime.datetime) -> str:
     if offset is None:
         raise _Refusal(
             UnkeyableValue,
-            "a naive datetime names no instant; give it a tzinfo (e.g. datetime.timezone.utc)",
+            "a naive datetime names no instant; give it a tzinfo (e.g. datetime.timezone.utc). "
+            "Sent as JSON, it needs an offset (2026-12-01T09:30:00Z, or +02:00)",
         )
     try:
         u = (x.replace(tzinfo=None) - offset) if offset else x

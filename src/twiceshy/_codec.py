@@ -3,7 +3,8 @@
 A result is stored as JSON and replayed as an equal value: falsy results (``0``, ``""``, ``[]``,
 ``None``) replay as themselves, and a result whose type is the tool's annotated return type
 (dataclasses, named tuples, TypedDicts and pydantic models, generic ones included, enums,
-``Literal``, ``datetime``, ``Decimal``, ``UUID``, containers of these) is rebuilt as that type.
+``Literal``, ``datetime``, ``Decimal``, ``UUID``, paths, containers of these) is rebuilt as that
+type.
 A mapping's keys are kept as JSON's text; enums, UUIDs, dates, ``Decimal``, ``float`` and ``bool``
 keys come back as such where the annotation names them, and keys that would collide as text are
 refused.
@@ -28,6 +29,7 @@ import enum
 import inspect
 import json
 import math
+import pathlib
 import types
 import typing
 import uuid
@@ -107,7 +109,7 @@ def _to_json(value: Any) -> Any:
         return value.value
     if isinstance(value, dt.datetime | dt.date | dt.time):
         return value.isoformat()
-    if isinstance(value, Decimal | uuid.UUID):
+    if isinstance(value, Decimal | uuid.UUID | pathlib.PurePath):
         return str(value)
     if isinstance(value, bytes | bytearray):
         return base64.b64encode(bytes(value)).decode("ascii")
@@ -266,6 +268,7 @@ _JSON_CLASSES: Final = (
     dt.time,
     Decimal,
     uuid.UUID,
+    pathlib.PurePath,
     bytes,
     bytearray,
     enum.Enum,
@@ -455,6 +458,11 @@ _FROM_TEXT: dict[type, Rebuild] = {
     dt.time: dt.time.fromisoformat,
     Decimal: Decimal,
     uuid.UUID: uuid.UUID,
+    pathlib.Path: pathlib.Path,
+    pathlib.PurePath: pathlib.PurePath,
+    pathlib.PosixPath: pathlib.PosixPath,
+    pathlib.PurePosixPath: pathlib.PurePosixPath,
+    pathlib.PureWindowsPath: pathlib.PureWindowsPath,
     bytes: _bytes_from_text,
     bytearray: lambda text: bytearray(_bytes_from_text(text)),
 }

@@ -57,7 +57,16 @@ from ._protocol import (
     settle,
 )
 from ._records import CallEvent, Effect, Outcome, Record, Snapshot, State
-from ._scope import CallTokens, Current, entered_scope, reset_call, set_call
+from ._scope import (
+    CallTokens,
+    Current,
+    Deferred,
+    entered_scope,
+    reset_call,
+    reset_nested,
+    set_call,
+    set_nested,
+)
 from ._tally import Tally
 from .errors import (
     InProgress,
@@ -466,13 +475,7 @@ class Guard:
                 )[1]
             else:
                 if scope is None:
-                    entered = entered_scope()
-                    if entered is not None and not entered[1]:
-                        scope = entered[0]
-                    elif self._scope is not None:
-                        scope = self._scope(bound.arguments)
-                    if scope is None and entered is not None:
-                        scope = entered[0]
+                    scope = self._scope_of(bound)
                 if not scope or not isinstance(scope, str):
                     raise MissingScope(
                         f"the tool {name!r} was called outside any twiceshy.run(...) scope; wrap "
@@ -490,6 +493,31 @@ class Guard:
             raise self._beyond(refusal) from None
         ledger = self._ledger
         return CallPlan(self.policy, ledger.namespace, key, fingerprint, ledger._owner_token())
+
+    def _scope_of(self, bound: BoundCall) -> str | None:
+        """The scope of a call given none: an enclosing ``twiceshy.run(...)``, else the
+        ``scope=`` function of the arguments, else the enclosing protected call's nested one."""
+        entered = entered_scope()
+        if entered is not None and not entered[1]:
+            return entered[0]
+        if self._scope is not None:
+            return self._scope(bound.arguments)
+        return entered[0] if entered is not None else None
+
+    def _nesting(self, work: _Work, bound: BoundCall, scope: str | None) -> _Work:
+        """``work`` of a SAFE call kept out of the ledger, giving the runs started inside it the
+        nested scope a recorded call would give them (its key, derived only if asked for)."""
+        outer = scope if scope is not None else self._scope_of(bound)
+        if not outer or not isinstance(outer, str):
+            return work  # no scope to derive one from: nested runs name their own
+
+        def derive() -> str:
+            try:
+                return self._plan(bound, outer).key
+            except UnkeyableArgument:  # a SAFE call need not be keyable: the outer scope
+                return outer
+
+        return _nested_work(work, Deferred(derive))
 
     def _beyond(self, refusal: UnkeyableArgument) -> UnkeyableArgument:
         """A refusal by a bound, saying which option of the tool lifts it."""
@@ -596,7 +624,8 @@ class Guard:
 
     def _execute_once(self, bound: BoundCall, work: _Work, scope: str | None, seen: _Seen) -> Any:
         if not self.recorded:
-            return self._drive(retry_only(self.policy), work, None, bound, seen)
+            nested = self._nesting(work, bound, scope)
+            return self._drive(retry_only(self.policy), nested, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
         wait_until = time.monotonic() + self.policy.wait  # one wait= for the whole call
@@ -731,7 +760,8 @@ class Guard:
         self, bound: BoundCall, work: _Work, scope: str | None, seen: _Seen
     ) -> Any:
         if not self.recorded:
-            return await self._adrive(retry_only(self.policy), work, None, bound, seen)
+            nested = self._nesting(work, bound, scope)
+            return await self._adrive(retry_only(self.policy), nested, None, bound, seen)
         plan = self._plan(bound, scope)
         flights = self._ledger._flights
         wait_until = time.monotonic() + self.policy.wait  # one wait= for the whole call
@@ -858,6 +888,31 @@ class Guard:
         finally:
             self._leave(job, tokens)
         return Ran(value=value)
+
+
+def _nested_work(work: _Work, deferred: Deferred) -> _Work:
+    """``work`` run with ``deferred`` as the scope of the runs started inside it; an awaitable
+    it answers is awaited inside it too."""
+
+    def run(key: str) -> Any:
+        token = set_nested(deferred)
+        try:
+            value = work(key)
+        finally:
+            reset_nested(token)
+        if inspect.isawaitable(value):
+            return _awaited_nested(value, deferred)
+        return value
+
+    return run
+
+
+async def _awaited_nested(awaitable: Awaitable[Any], deferred: Deferred) -> Any:
+    token = set_nested(deferred)
+    try:
+        return await awaitable
+    finally:
+        reset_nested(token)
 
 
 def _could_not_give_back(plan: CallPlan, why: BaseException) -> None:

@@ -15,6 +15,7 @@ import enum
 import logging
 import math
 import random
+from asyncio import CancelledError
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
@@ -332,15 +333,19 @@ def describe(error: BaseException, wrappers: tuple[type[BaseException], ...] = (
     """``Type: message`` of an error, for records, logs and the model; safe for any error.
 
     It names the user's own error: through a framework's wrapper (one of ``wrappers``) to its
-    cause, and a private class (``_Name``) by its first public base. The message is bounded.
+    cause (or the error it was raised while handling), and a private class (``_Name``) by its
+    first public base. The message is bounded.
     """
     for _ in range(8):  # a bounded walk: a cause chain may loop
-        if not isinstance(error, wrappers) or error.__cause__ is None:
+        inner = error.__cause__ or error.__context__  # raised from it, or while handling it
+        if not isinstance(error, wrappers) or inner is None:
             break
-        error = error.__cause__
+        error = inner
     name = next(
         (c.__name__ for c in type(error).__mro__ if not c.__name__.startswith("_")), "Exception"
     )
+    if isinstance(error, CancelledError):
+        return name  # its message is the event loop's (a task's repr), not the user's
     try:
         text = str(error)
     except Exception:  # an error whose message cannot be read must still be recorded

@@ -29,15 +29,35 @@ __all__ = [
     "run",
 ]
 
+
+class Deferred:
+    """A nested scope worked out only if a nested run asks for it: a SAFE call kept out of the
+    ledger derives no key unless something inside it needs one."""
+
+    __slots__ = ("_make", "_text")
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self._make = make
+        self._text: str | None = None
+
+    def text(self) -> str:
+        """The scope, worked out on first use."""
+        if self._text is None:
+            self._text = self._make()
+        return self._text
+
+
+_Entered = tuple["str | Deferred", bool]
+
 # The innermost scope, and whether a protected call set it (a nested run's inherited scope).
-_scope: contextvars.ContextVar[tuple[str, bool] | None] = contextvars.ContextVar(
+_scope: contextvars.ContextVar[_Entered | None] = contextvars.ContextVar(
     "twiceshy_scope", default=None
 )
 
 # The tokens of the scopes entered in this context, innermost last. Kept in the context itself,
 # not in the run object: one object entered by concurrent tasks (each in its own context) must
 # give each task back its own previous scope.
-_entered: contextvars.ContextVar[tuple[contextvars.Token[tuple[str, bool] | None], ...]] = (
+_entered: contextvars.ContextVar[tuple[contextvars.Token[_Entered | None], ...]] = (
     contextvars.ContextVar("twiceshy_entered", default=())
 )
 
@@ -143,13 +163,16 @@ def current_scope() -> str | None:
     That is the innermost ``twiceshy.run(...)``'s, or inside a protected call the scope its
     nested runs inherit (see :func:`inherited_scope`), whichever was entered last.
     """
-    entered = _scope.get()
+    entered = entered_scope()
     return entered[0] if entered is not None else None
 
 
 def entered_scope() -> tuple[str, bool] | None:
     """The innermost scope and whether a protected call set it (its nested runs' scope)."""
-    return _scope.get()
+    entered = _scope.get()
+    if entered is None or type(entered[0]) is str:
+        return entered  # type: ignore[return-value]
+    return entered[0].text(), entered[1]  # type: ignore[union-attr]
 
 
 def inherited_scope() -> str | None:
@@ -159,7 +182,7 @@ def inherited_scope() -> str | None:
     intents. ``None`` outside a protected call, or where a ``twiceshy.run(...)`` entered inside
     it names the scope. Framework adapters prefer it to the framework's own run id.
     """
-    entered = _scope.get()
+    entered = entered_scope()
     return entered[0] if entered is not None and entered[1] else None
 
 
@@ -209,7 +232,7 @@ def point_of_no_return() -> None:
     call.marked = True
 
 
-CallTokens = tuple[contextvars.Token[Current | None], contextvars.Token[tuple[str, bool] | None]]
+CallTokens = tuple[contextvars.Token[Current | None], contextvars.Token[_Entered | None]]
 
 
 def set_call(call: Current) -> CallTokens:
@@ -222,3 +245,13 @@ def reset_call(tokens: CallTokens) -> None:
     call, scope = tokens
     _scope.reset(scope)
     _call.reset(call)
+
+
+def set_nested(deferred: Deferred) -> contextvars.Token[_Entered | None]:
+    """Give the runs started here a nested scope worked out on demand (for drivers)."""
+    return _scope.set((deferred, True))
+
+
+def reset_nested(token: contextvars.Token[_Entered | None]) -> None:
+    """Undo :func:`set_nested` (for drivers)."""
+    _scope.reset(token)

@@ -13,8 +13,8 @@ import enum
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -380,8 +380,8 @@ def test_a_scope_the_application_gives_wins_over_the_inherited_one(
 def test_a_return_annotation_with_no_json_form_ends_the_run_before_the_tool_runs(
     ledger: Ledger,
 ) -> None:
-    """An UNSAFE tool declared to return a Path: ResultNotStorable ends the run; nothing ran. A
-    SAFE tool, whose results are not kept, may return one."""
+    """An UNSAFE tool declared to return a timedelta: ResultNotStorable ends the run; nothing
+    ran. A SAFE tool, whose results are not kept, may return one."""
     ran: list[str] = []
     script = Script(call("locate", {"name": "a"}, "c1"), done(), call("export", {}, "c2"))
     agent = Agent(
@@ -390,16 +390,16 @@ def test_a_return_annotation_with_no_json_form_ends_the_run_before_the_tool_runs
     )
 
     @agent.tool_plain
-    def locate(name: str) -> Path:
-        return Path("/srv/files") / name
+    def locate(name: str) -> timedelta:
+        return timedelta(seconds=len(name))
 
     @agent.tool_plain
-    def export() -> Path:
+    def export() -> timedelta:
         ran.append("export")
-        return Path("/tmp/export.csv")
+        return timedelta(seconds=5)
 
     assert agent.run_sync("where is a", run_id="run-1").output == "done"
-    assert [r.content for r in script.results(2)] == [Path("/srv/files/a")]
+    assert [r.content for r in script.results(2)] == [timedelta(seconds=1)]
     with pytest.raises(ResultNotStorable, match="'export' is declared to return") as refused:
         agent.run_sync("export", run_id="run-1")
     assert "nothing has run" in str(refused.value)
@@ -423,20 +423,20 @@ def test_a_result_with_no_json_form_is_done_and_a_retry_reads_that_it_ran(
     @agent.tool_plain
     def export(table: str):  # no return annotation: any result
         exported.append(table)
-        return Path("/tmp") / f"{table}.csv"
+        return timedelta(seconds=len(table))
 
     agent.run_sync("export the orders", run_id="run-1")
 
     (first,) = script.results(2)
     (retry,) = script.results(3)
-    assert first.content == Path("/tmp/orders.csv")
+    assert first.content == timedelta(seconds=6)
     assert retry.outcome == "failed"
     text = text_of(retry)
     assert (
         "The tool 'export' already ran for these arguments and succeeded; it was not run again"
         in text
     )
-    assert "It read: /tmp/orders.csv" in text
+    assert "It read: 0:00:06" in text
     assert_no_retry_words(text)
     assert exported == ["orders"]
 

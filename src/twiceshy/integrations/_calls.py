@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .._binding import Binder, calls_point_of_no_return
 from .._ledger import Guard
@@ -60,7 +60,7 @@ def received(
     """The arguments ``fn`` receives from a call ``fn(*args, **kwargs)``, by parameter name.
 
     Defaults are applied for omitted parameters; ``inject`` names the parameters the framework
-    fills in (a context, a dependency), which are left out.
+    fills in (a context, a dependency), which are left out (they need not be given).
 
     Raises:
         TypeError: the arguments do not fit the signature.
@@ -73,7 +73,7 @@ def received(
     binder = binders.get(inject)
     if binder is None:
         binder = binders[inject] = Binder(fn, key_param=None, inject=inject)
-    return binder.bind(tuple(args), kwargs)[0]
+    return binder.bind(*binder.with_injected(tuple(args), kwargs))[0]
 
 
 def with_schema_defaults(arguments: Mapping[str, Any], schema: object) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def with_schema_defaults(arguments: Mapping[str, Any], schema: object) -> dict[s
     return filled
 
 
-def effect_at_of(fn: Callable[..., Any] | None) -> str | None:
+def effect_at_of(fn: Callable[..., Any] | None) -> Literal["mark"] | None:
     """``"mark"`` for a tool function whose code calls ``point_of_no_return``, else ``None``."""
     return "mark" if fn is not None and calls_point_of_no_return(fn) else None
 
