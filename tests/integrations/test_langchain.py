@@ -160,7 +160,7 @@ def test_keyed_model_recall_after_timeout_gets_the_first_charge(ledger: twiceshy
     agent = create_agent(
         model=model,
         tools=[create_charge],
-        # The framework tells the model "Please try again." after the timeout: the incident.
+        # Left to it, the framework would tell the model "Please try again." after the timeout.
         middleware=[retries(0), TwiceshyMiddleware(ledger, {"create_charge": guard})],
         checkpointer=InMemorySaver(),
     )
@@ -169,7 +169,16 @@ def test_keyed_model_recall_after_timeout_gets_the_first_charge(ledger: twiceshy
     key = twiceshy.idempotency_key("thread-1", "create_charge", CHARGE)
     assert provider.keys == [key, key]
     assert provider.charges == {key: "ch_1_4900"}
-    assert "TimeoutError" in str(model.tool_answer(1, "call_1").content)
+    first = model.tool_answer(1, "call_1")
+    text = str(first.content)
+    assert first.status == "error"
+    assert text.startswith(
+        "The tool 'create_charge' did not finish on its one attempt (the last: TimeoutError: "
+        "read timed out): it may have taken effect."
+    )
+    assert "calling it again later with the same arguments is safe" in text
+    assert "try again" not in text.lower()
+    assert "failed after" not in text  # not ToolRetryMiddleware's words
     retried = model.tool_answer(2, "call_2")
     assert retried.content == "ch_1_4900"
     assert retried.status == "success"
@@ -282,34 +291,35 @@ def test_unsafe_inside_tool_retry_middleware_runs_once(ledger: twiceshy.Ledger) 
 def test_keyed_retries_of_tool_retry_middleware_each_meet_the_ledger(
     ledger: twiceshy.Ledger,
 ) -> None:
-    """Each retry of ToolRetryMiddleware reaches the ledger and hands the provider one key."""
+    """Errors before the point of no return are retried by ToolRetryMiddleware; one effect."""
     provider = Provider()
+    connects: list[int] = []
 
     @tool
     def create_charge(amount: int, customer: str) -> str:
         """Charge a customer."""
-        charge = provider.charge(amount, twiceshy.current_key())
-        if len(provider.keys) < 3:
-            raise TimeoutError("read timed out")
-        return charge
+        connects.append(amount)
+        if len(connects) < 3:
+            raise ConnectionRefusedError("connection refused")  # nothing was sent
+        twiceshy.point_of_no_return()
+        return provider.charge(amount, twiceshy.current_key())
 
     spy = Spy()
-    guard = ledger.guard("create_charge", effect=twiceshy.KEYED, attempts=1)
     model = ScriptedModel(
         responses=[calls(("create_charge", CHARGE, "call_1")), AIMessage("Charged.")]
     )
     agent = create_agent(
         model=model,
         tools=[create_charge],
-        middleware=[retries(2), spy, TwiceshyMiddleware(ledger, {"create_charge": guard})],
+        middleware=[retries(2), spy, TwiceshyMiddleware(ledger, {"create_charge": twiceshy.KEYED})],
         checkpointer=InMemorySaver(),
     )
     agent.invoke({"messages": [HumanMessage("charge")]}, thread("thread-6"))
 
     key = twiceshy.idempotency_key("thread-6", "create_charge", CHARGE)
-    assert spy.seen == ["call_1"] * 3
-    assert provider.keys == [key] * 3
-    assert len(provider.charges) == 1
+    assert spy.seen == ["call_1"] * 3  # each retry of ToolRetryMiddleware met the ledger
+    assert connects == [4900] * 3
+    assert provider.keys == [key]
     assert model.tool_answer(1, "call_1").content == "ch_1_4900"
 
 
@@ -521,28 +531,31 @@ def test_injected_arguments_sent_by_the_model_are_no_part_of_the_intent(
 
 
 def test_langgraph_retry_policy_meets_the_ledger(ledger: twiceshy.Ledger) -> None:
-    """A node retried by LangGraph's RetryPolicy hands the provider the same key; one effect."""
-    provider = Provider()
+    """A node rerun by LangGraph's RetryPolicy after an error that left no effect runs it once."""
+    connects: list[int] = []
+    wires: list[int] = []
 
     @tool
-    def create_charge(amount: int, customer: str) -> str:
-        """Charge a customer."""
-        charge = provider.charge(amount, twiceshy.current_key())
-        if len(provider.keys) == 1:
-            raise TimeoutError("read timed out")
-        return charge
+    def wire(amount: int, to: str) -> str:
+        """Wire money."""
+        connects.append(amount)
+        if len(connects) == 1:
+            raise ConnectionRefusedError("connection refused")  # before anything was sent
+        twiceshy.point_of_no_return()
+        wires.append(amount)
+        return "sent"
 
-    guard = ledger.guard("create_charge", effect=twiceshy.KEYED, attempts=1)
-    protect = TwiceshyMiddleware(ledger, {"create_charge": guard})
-    node = ToolNode([create_charge], wrap_tool_call=protect.wrap_tool_call)
-    policy = RetryPolicy(max_attempts=3, initial_interval=0.0, jitter=False, retry_on=TimeoutError)
+    protect = TwiceshyMiddleware(ledger, {"wire": twiceshy.UNSAFE})
+    node = ToolNode([wire], wrap_tool_call=protect.wrap_tool_call)
+    policy = RetryPolicy(
+        max_attempts=3, initial_interval=0.0, jitter=False, retry_on=ConnectionRefusedError
+    )
     app = tool_graph(node, retry=policy)
-    out = app.invoke({"messages": [calls(("create_charge", CHARGE, "r1"))]}, thread("g-3"))
+    out = app.invoke({"messages": [calls(("wire", WIRE, "r1"))]}, thread("g-3"))
 
-    key = twiceshy.idempotency_key("g-3", "create_charge", CHARGE)
-    assert provider.keys == [key, key]
-    assert len(provider.charges) == 1
-    assert out["messages"][-1].content == "ch_1_4900"
+    assert connects == [500, 500]
+    assert wires == [500]
+    assert out["messages"][-1].content == "sent"
 
 
 class Booking(TypedDict):
@@ -642,10 +655,16 @@ def test_in_progress_reaches_the_model_as_an_error(tmp_path: Path) -> None:
             release.set()
             holder.join(10)
     answer = out["messages"][-1]
+    text = answer.content
     assert runs == []
     assert answer.status == "error"
-    assert "still running" in answer.content
-    assert "try again" not in answer.content.lower()
+    assert text.startswith("An identical call of the tool 'wire' started at ")
+    assert (
+        "UTC and has not recorded an outcome: it may still be running, or the process running it "
+        "may have stopped. This call did not start it a second time. If it records none by "
+    ) in text
+    assert "its outcome becomes unknown and it is not run again by itself" in text
+    assert "try again" not in text.lower()
 
 
 # -- scope, declarations, arguments -----------------------------------------------------------

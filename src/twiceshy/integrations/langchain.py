@@ -19,27 +19,38 @@ A plain LangGraph ``ToolNode`` takes the same middleware's two hooks::
 
 What it does with a tool call:
 
-- The intent is (scope, tool name, arguments): the arguments exactly as the model sent them
-  (``tool_call["args"]``, with the schema's defaults filled in for omitted parameters), never the
-  tool-call id, which changes every time the model calls again. What LangGraph injects
-  (``ToolRuntime``, ``InjectedState``, ``InjectedStore``, ``InjectedToolCallId``) is added after
-  this middleware and is no part of it; a value the model sends for such a parameter is left out
-  of the intent, as ``ToolNode`` drops it.
-- The scope is the LangGraph thread id (``config["configurable"]["thread_id"]``, else the
-  runtime's ``execution_info.thread_id``), else an enclosing ``twiceshy.run(...)``; ``scope=``
-  replaces that with a function of the request. A recorded tool called without any scope raises
-  :class:`ScopeNotFound`, which passes through ``ToolRetryMiddleware``, ``ToolNode``'s error
-  handling and LangGraph's ``RetryPolicy`` (it is one of LangGraph's "bubble-up" signals) and
-  ends the run: a missing scope is a programming error, not something to retry or to tell the
-  model.
-- ``OutcomeUnknown`` and ``InProgress`` come back as ``ToolMessage(status="error")`` carrying
-  twiceshy's message for the model (it may have happened, it will not be run again, tell the
-  user). They are not raised, so no retry layer outside runs the call again.
+- The intent is (scope, tool name, arguments): the arguments the tool's function receives, by
+  parameter name, after LangChain's own parsing and validation (``"2"`` coerced to ``2``, an
+  omitted optional argument and its default sent, an ``IntEnum`` sent as text, a nested model
+  with coercible fields: one intent each), never the tool-call id, which changes every time the
+  model calls again. What LangGraph injects (``ToolRuntime``, ``InjectedState``,
+  ``InjectedStore``, ``InjectedToolCallId``, callbacks, the run config) is no part of it; a
+  value the model sends for such a parameter is left out, as ``ToolNode`` drops it. A tool with
+  a JSON-schema ``args_schema`` (no Python signature), or arguments its validation refuses, is
+  keyed by ``tool_call["args"]`` with the schema's defaults.
+- The scope: inside a protected call (a sub-agent or subgraph run by a tool), the scope that
+  call's nested runs inherit (:func:`twiceshy.inherited_scope`, or a ``twiceshy.run`` entered in
+  the tool); else the LangGraph thread id (``config["configurable"]["thread_id"]``, else the
+  runtime's ``execution_info.thread_id``), else an enclosing ``twiceshy.run(...)``. ``scope=``
+  replaces all of that with a function of the request. A recorded tool called without any scope
+  raises :class:`ScopeNotFound`, which passes through ``ToolRetryMiddleware``, ``ToolNode``'s
+  error handling and LangGraph's ``RetryPolicy`` (it is one of LangGraph's "bubble-up" signals)
+  and ends the run: a missing scope is a programming error, not something to retry or to tell
+  the model.
+- twiceshy's own answers come back as an error ``ToolMessage`` carrying its text for the model:
+  ``OutcomeUnknown`` and ``InProgress`` (it may have happened, it is not run again, tell the
+  user), a refused key, and a KEYED tool whose attempts ran out (it may have taken effect; an
+  identical call later is safe, the provider deduplicates by the same key). They are returned,
+  not raised, so no retry layer outside runs the call again or words it "Please try again".
 - What the model saw the first time is recorded (the ``ToolMessage``'s content and status, and
   its ``artifact`` when that has a JSON form) and a retry gets it again as a ``ToolMessage``
-  answering the *new* tool-call id. A tool that returns a ``Command`` has that ``Command``
-  applied on its first run; a retry gets the content of the ``ToolMessage`` inside it (the
-  state update is not applied twice).
+  answering the *new* tool-call id. The first call reads the content as it was stored too, so
+  the model reads the same on every call. A tool that returns a ``Command`` has that
+  ``Command`` applied on its first run; a retry gets the content of the ``ToolMessage`` inside
+  it (the state update is not applied twice).
+- A tool whose function calls :func:`twiceshy.point_of_no_return` and is declared by its class
+  alone is guarded with ``effect_at="mark"``: an exception before the mark releases the intent
+  and is raised as the tool raised it, so the next call runs it.
 - An ``interrupt()`` inside a tool releases the intent: LangGraph runs the tool again from its
   start when the run resumes, and that run is the intent's. Another LangGraph signal raised
   inside a tool (a sub-agent handing off with a ``Command`` for the parent graph) is the tool's
@@ -48,30 +59,39 @@ What it does with a tool call:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
 from langchain_core.messages import ToolMessage
+from langchain_core.tools import BaseTool, StructuredTool, Tool
+from langchain_core.tools.base import FILTERED_ARGS, _get_runnable_config_param
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
+from langgraph.prebuilt import ToolNode
 from langgraph.types import Command
 from pydantic import BaseModel
 
 from .. import (
     Effect,
     Guard,
-    InProgress,
-    KeyReuseMismatch,
     Ledger,
     MissingScope,
     NotApplied,
-    OutcomeUnknown,
+    ResultNotStorable,
     TwiceshyError,
     UnkeyableArgument,
+    UnkeyableType,
+    canonical_json,
+    current_key,
     current_scope,
+    inherited_scope,
 )
+from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
 
 __all__ = [
     "EffectNotDeclared",
@@ -86,10 +106,7 @@ ScopeFunction = Callable[[ToolCallRequest], "str | None"]
 
 _Result = ToolMessage | Command[Any]
 _Status = Literal["success", "error"]
-
-# Errors that mean "nothing ran, and running again cannot help": the model reads them and may
-# change its call. They are answered, not raised, so no retry layer repeats a refused call.
-_ANSWERED = (OutcomeUnknown, InProgress, KeyReuseMismatch, UnkeyableArgument)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 class ScopeNotFound(MissingScope, GraphBubbleUp):
@@ -136,28 +153,37 @@ def thread_scope(request: ToolCallRequest) -> str | None:
     return str(thread) or None
 
 
+@dataclass(frozen=True, slots=True)
+class _Intent:
+    """One call's guard, and the arguments and scope its key is derived from."""
+
+    guard: Guard
+    arguments: dict[str, Any]
+    scope: str | None
+
+
 class _Attempt:
     """One call as this middleware handles it: its ids, and its own run's live outcome.
 
-    Per call, never shared. The ledger records what a retry should see (a JSON mapping); the
-    call that ran the tool returns the live ``ToolMessage`` or ``Command`` instead, or re-raises
-    the LangGraph signal the tool raised.
+    Per call, never shared. The ledger records what a retry should see (a JSON mapping, marked
+    with this call's ``run`` token); the call that ran the tool returns its live ``ToolMessage``
+    (with the content as the ledger kept it) or ``Command``, or re-raises the LangGraph signal
+    the tool raised.
     """
 
-    __slots__ = ("call_id", "record", "result", "signal", "tool")
+    __slots__ = ("call_id", "result", "run", "signal", "tool")
 
     def __init__(self, request: ToolCallRequest) -> None:
         self.call_id: str = request.tool_call.get("id") or ""
         self.tool: str = request.tool_call["name"]
+        self.run = uuid.uuid4().hex
         self.result: _Result | None = None
         self.signal: GraphBubbleUp | None = None
-        self.record: dict[str, Any] | None = None
 
     def ran(self, result: _Result) -> dict[str, Any]:
         """The tool answered: keep its result, and what a retry should see of it."""
         self.result = result
-        self.record = _record_of(_answering_message(result, self.call_id), self.tool)
-        return self.record
+        return _record_of(_answering_message(result, self.call_id), self.tool, self.run)
 
     def signalled(self, signal: GraphBubbleUp) -> dict[str, Any]:
         """The tool raised a LangGraph control signal: an interrupt, or a hand-off.
@@ -169,14 +195,20 @@ class _Attempt:
         if isinstance(signal, GraphInterrupt):
             raise _Interrupted(signal) from signal
         self.signal = signal
-        self.record = _record_of(None, self.tool)
-        return self.record
+        return _record_of(None, self.tool, self.run)
 
     def answer(self, value: object) -> _Result:
-        """This call's own live outcome, or the recorded answer rebuilt for this tool-call id."""
-        if value is self.record and self.record is not None:
+        """This call's own live outcome, or the recorded answer rebuilt for this tool-call id.
+
+        The guard hands the call that ran the tool its record as stored, which every replay
+        reads too: the live ``ToolMessage`` is returned with that content (a content block's
+        bytes as base64 text, a tuple as a list), so the model reads the same on every call.
+        """
+        if isinstance(value, Mapping) and value.get("run") == self.run:  # this call's own run
             if self.signal is not None:
                 raise self.signal
+            if isinstance(self.result, ToolMessage) and "content" in value:
+                return self.result.model_copy(update={"content": value["content"]})
             if self.result is not None:
                 return self.result
         artifact: object = None
@@ -195,11 +227,17 @@ class _Attempt:
             artifact=artifact,
         )
 
-    def refused(self, exc: Exception) -> ToolMessage:
-        """twiceshy's message for the model, as the framework's own failed tool answer."""
-        return ToolMessage(
-            content=str(exc), tool_call_id=self.call_id, name=self.tool, status="error"
-        )
+    def told(self, intent: _Intent, error: Exception) -> ToolMessage:
+        """twiceshy's text for ``error`` as the tool's answer; the error itself when it has none.
+
+        A result that ran but could not be kept is a success the model cannot read again, not a
+        failure: its answer says so with ``status="success"``.
+        """
+        text = for_the_model(intent.guard, error, intent.arguments, scope=intent.scope)
+        if text is None:
+            raise error
+        status: _Status = "success" if isinstance(error, ResultNotStorable) else "error"
+        return ToolMessage(content=text, tool_call_id=self.call_id, name=self.tool, status=status)
 
 
 class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
@@ -216,11 +254,13 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         ledger: where intents are claimed and outcomes kept.
         effects: each tool's effect class by tool name (``twiceshy.SAFE``, ``KEYED``,
             ``UNSAFE``), or a :class:`twiceshy.Guard` of that name for more options (attempts,
-            ``definite=``, ``key_args=``, ``reconcile=``...); a guard keeps its own ledger.
+            ``definite=``, ``key_args=``, ``reconcile=``, ``effect_at=``...); a guard keeps its
+            own ledger and options. A tool declared by its class alone whose function calls
+            :func:`twiceshy.point_of_no_return` is guarded with ``effect_at="mark"``.
         default: the effect class of tools not named in ``effects``. Without it, calling such a
             tool raises :class:`EffectNotDeclared`.
-        scope: ``scope(request)`` gives the run's scope instead of the thread id
-            (:func:`thread_scope`); ``None`` from it means the call has no scope.
+        scope: ``scope(request)`` gives the run's scope instead of the inherited scope or the
+            thread id (:func:`thread_scope`); ``None`` from it means the call has no scope.
 
     Raises:
         TypeError: an effect is not an effect class or a guard.
@@ -247,13 +287,17 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
                 "and/or a default= for the others: there is no silent default"
             )
         guards: dict[str, Guard] = {}
+        classes: dict[str, Effect] = {}
+        built: dict[tuple[str, str | None], Guard] = {}
         for name, effect in (effects or {}).items():
             if isinstance(effect, Guard):
                 if effect.name != name:
                     raise ValueError(f"the guard for the tool {name!r} is named {effect.name!r}")
-                guards[name] = effect
+                guards[name] = effect.with_stored_answers()
             elif isinstance(effect, Effect):
-                guards[name] = ledger.guard(name, effect=effect)
+                # Built now to check the name; rebuilt with effect_at="mark" for tools that mark.
+                built[name, None] = ledger.guard(name, effect=effect).with_stored_answers()
+                classes[name] = effect
             else:
                 raise TypeError(
                     f"the effect of the tool {name!r} must be twiceshy.SAFE, KEYED, UNSAFE or a "
@@ -262,12 +306,18 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self.tools = []
         self._ledger = ledger
         self._guards = guards
+        self._classes = classes
+        # Guards built from an effect class, by tool name and where the tool's effect starts;
+        # at most two per tool. Filled as tools are first called; a racing fill builds an equal
+        # guard, so no lock is needed.
+        self._built = built
         self._default = default
         self._scope = scope
 
     def __repr__(self) -> str:
         default = self._default.name if self._default is not None else None
-        return f"TwiceshyMiddleware({self._ledger!r}, tools={sorted(self._guards)}, {default=})"
+        names = sorted({*self._guards, *self._classes})
+        return f"TwiceshyMiddleware({self._ledger!r}, tools={names}, {default=})"
 
     def wrap_tool_call(
         self,
@@ -283,15 +333,14 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
 
         Returns:
             The first run's ``ToolMessage`` or ``Command``, its recorded answer replayed for the
-            current tool-call id, or an error ``ToolMessage`` with twiceshy's honest message.
+            current tool-call id, or a ``ToolMessage`` with twiceshy's text for the model.
 
         Raises:
             ScopeNotFound, EffectNotDeclared: before anything runs; they end the run.
         """
-        guard = self._guard_for(request)
-        if guard is None:
+        intent = self._intent(request, asynchronous=False)
+        if intent is None:
             return handler(request)
-        arguments, scope = self._intent(request, guard)
         attempt = _Attempt(request)
 
         def work() -> dict[str, Any]:
@@ -301,11 +350,11 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
                 return attempt.signalled(signal)
 
         try:
-            return attempt.answer(guard.call(arguments, work, scope=scope))
-        except _ANSWERED as exc:
-            return attempt.refused(exc)
+            return attempt.answer(intent.guard.call(intent.arguments, work, scope=intent.scope))
         except _Interrupted as exc:
             raise exc.interrupt from None
+        except Exception as exc:
+            return attempt.told(intent, exc)
 
     async def awrap_tool_call(
         self,
@@ -313,10 +362,9 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
     ) -> ToolMessage | Command[Any]:
         """:meth:`wrap_tool_call` for agents and graphs run with ``ainvoke`` / ``astream``."""
-        guard = self._guard_for(request)
-        if guard is None:
+        intent = self._intent(request, asynchronous=True)
+        if intent is None:
             return await handler(request)
-        arguments, scope = self._intent(request, guard)
         attempt = _Attempt(request)
 
         async def work() -> dict[str, Any]:
@@ -326,41 +374,42 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
                 return attempt.signalled(signal)
 
         try:
-            return attempt.answer(await guard.acall(arguments, work, scope=scope))
-        except _ANSWERED as exc:
-            return attempt.refused(exc)
+            answer = await intent.guard.acall(intent.arguments, work, scope=intent.scope)
         except _Interrupted as exc:
             raise exc.interrupt from None
+        except Exception as exc:
+            return attempt.told(intent, exc)
+        return attempt.answer(answer)
 
     # -- shared, no I/O --------------------------------------------------------------------
 
-    def _guard_for(self, request: ToolCallRequest) -> Guard | None:
-        """The guard of the called tool; ``None`` for a name that is neither declared nor a tool.
+    def _intent(self, request: ToolCallRequest, *, asynchronous: bool) -> _Intent | None:
+        """The call's guard, the arguments its function receives, and its scope.
 
-        A name the model made up reaches ``ToolNode`` unprotected, which answers it with its
-        own "not a valid tool" message: nothing runs.
+        ``None`` for a name that is neither declared nor a tool: it reaches ``ToolNode``
+        unprotected, which answers it with its own "not a valid tool" message; nothing runs.
         """
         name = request.tool_call["name"]
+        fn = _function_of(request.tool, asynchronous=asynchronous)
         guard = self._guards.get(name)
-        if guard is not None:
-            return guard
-        if self._default is not None:
-            return self._ledger.guard(name, effect=self._default)
-        if request.tool is None:
-            return None
-        raise EffectNotDeclared(
-            f"the tool {name!r} has no declared effect class: add it to TwiceshyMiddleware's "
-            f"effects ({{{name!r}: twiceshy.SAFE | KEYED | UNSAFE}}) or give default="
-        )
-
-    def _intent(self, request: ToolCallRequest, guard: Guard) -> tuple[dict[str, Any], str | None]:
-        """The call's arguments as the model sent them (defaults filled in) and its scope."""
-        arguments = _with_defaults(request)
+        if guard is None:
+            effect = self._classes.get(name, self._default)
+            if effect is None:
+                if request.tool is None:
+                    return None
+                raise EffectNotDeclared(
+                    f"the tool {name!r} has no declared effect class: add it to "
+                    f"TwiceshyMiddleware's effects ({{{name!r}: twiceshy.SAFE | KEYED | UNSAFE}}) "
+                    "or give default="
+                )
+            guard = self._built_guard(name, effect, effect_at_of(fn))
+        # A SAFE tool kept out of the ledger is named by nothing: spare it a second validation.
+        arguments = _received(request, fn) if guard.recorded else _with_defaults(request)
         if self._scope is not None:
             scope = self._scope(request)
             where = "the scope= function returned no scope"
         else:
-            scope = thread_scope(request) or current_scope()
+            scope = _nested_scope() or thread_scope(request) or current_scope()
             where = (
                 "the run has no thread id: invoke it with "
                 "config={'configurable': {'thread_id': ...}}, or give TwiceshyMiddleware a "
@@ -370,7 +419,128 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             raise ScopeNotFound(
                 f"the tool {guard.name!r} cannot be protected: {where}; it did not run"
             )
-        return arguments, scope or None
+        return _Intent(guard, arguments, scope or None)
+
+    def _built_guard(self, name: str, effect: Effect, effect_at: str | None) -> Guard:
+        """The guard for a tool declared by its effect class alone."""
+        guard = self._built.get((name, effect_at))
+        if guard is None:
+            mark: Literal["mark"] | None = "mark" if effect_at == "mark" else None
+            guard = self._ledger.guard(name, effect=effect, effect_at=mark).with_stored_answers()
+            self._built[name, effect_at] = guard
+        return guard
+
+
+def _nested_scope() -> str | None:
+    """The scope of a run started inside a protected call, if this is one.
+
+    The scope the call's nested runs inherit, or a ``twiceshy.run(...)`` the tool entered: the
+    application's choice. Either one wins over the thread id, which a subgraph or a sub-agent
+    inherits from the outer run's config and which would make two different outer intents
+    share their inner ones.
+    """
+    scope = inherited_scope()
+    if scope is None and current_key() is not None:
+        scope = current_scope()
+    return scope
+
+
+def _function_of(tool: BaseTool | None, *, asynchronous: bool) -> Callable[..., Any] | None:
+    """The Python function a call of ``tool`` runs, if it is known.
+
+    A ``@tool`` function (``StructuredTool``, ``Tool``) runs its ``coroutine`` under
+    ``ainvoke`` when it has one, else its ``func``; a ``BaseTool`` subclass runs ``_run``
+    (or its own ``_arun``).
+    """
+    if tool is None:
+        return None
+    if isinstance(tool, StructuredTool | Tool):
+        first, second = (tool.coroutine, tool.func) if asynchronous else (tool.func, tool.coroutine)
+        return first or second
+    if asynchronous and type(tool)._arun is not BaseTool._arun:
+        return tool._arun
+    return tool._run
+
+
+def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[str, Any]:
+    """The arguments ``fn`` receives for this call, by name, after LangChain's parsing.
+
+    The call goes through what ``ToolNode`` and the tool do before the function runs:
+    LangGraph's injection (state, store, runtime), then the tool's own validation
+    (``_to_args_and_kwargs``); the result is bound to the function's signature, the injected
+    parameters left out. Where that cannot be done (no function, a JSON schema, arguments the
+    validation refuses, a value of a type with no canonical form) the call is keyed by
+    ``tool_call["args"]`` with the schema's defaults: never left unprotected.
+    """
+    tool = request.tool
+    if tool is None or fn is None or isinstance(tool.args_schema, dict):
+        return _with_defaults(request)  # no signature to bind the JSON to
+    try:
+        call = _injector()._inject_tool_args(request.tool_call, request.runtime, tool)
+        args, kwargs = tool._to_args_and_kwargs(dict(call["args"]), call.get("id"))
+        injected = _injected_names(tool, fn)
+        parameters = inspect.signature(fn).parameters
+        for name in injected & set(parameters):
+            # StructuredTool passes the run config and callbacks itself: left out all the same.
+            if parameters[name].kind not in _VARIADIC:
+                kwargs.setdefault(name, None)
+        arguments = received(fn, args, kwargs, inject=injected)
+    except Exception:  # the tool answers this call with its own error; keyed as it was sent
+        return _with_defaults(request)
+    for name in _volatile_defaults(tool, request.tool_call.get("args") or {}):
+        arguments.pop(name, None)
+    try:
+        canonical_json(arguments)
+    except UnkeyableType:  # a value LangChain built (a Path...) that has no canonical form
+        return _with_defaults(request)
+    except UnkeyableArgument:  # a value refused (a naive datetime...): the guard words it
+        pass
+    return arguments
+
+
+@functools.cache
+def _injector() -> ToolNode:
+    """A ``ToolNode`` with no tools of its own: it injects for any tool it is handed."""
+    return ToolNode([])
+
+
+def _injected_names(tool: BaseTool, fn: Callable[..., Any]) -> set[str]:
+    """The parameters of ``fn`` that LangChain or LangGraph fill in, not the model."""
+    names = set(FILTERED_ARGS) | set(tool._injected_args_keys)
+    schema = tool.tool_call_schema
+    full = tool.get_input_schema()
+    if isinstance(schema, type) and issubclass(schema, BaseModel) and issubclass(full, BaseModel):
+        names |= set(full.model_fields) - set(schema.model_fields)
+    config = _get_runnable_config_param(fn)
+    if config:
+        names.add(config)
+    return names
+
+
+def _volatile_defaults(tool: BaseTool, sent: Mapping[str, Any]) -> list[str]:
+    """Omitted fields whose default a factory makes anew each call (a fresh id, the time).
+
+    Such a value names nothing the model asked for, and keying it would make every retry a new
+    intent. A factory that gives equal values each time (``list``, ``dict``) names its default
+    as a plain one does: omitting it and sending it are one intent.
+    """
+    schema = tool.get_input_schema()
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        return []
+    volatile = []
+    for name, field in schema.model_fields.items():
+        if field.default_factory is None or name in sent or (field.alias or name) in sent:
+            continue
+        try:
+            once, again = (
+                canonical_json(field.get_default(call_default_factory=True, validated_data={}))
+                for _ in range(2)
+            )
+        except Exception:  # a factory that needs the other fields, or makes an unkeyable value
+            once, again = "", None
+        if once != again:
+            volatile.append(name)
+    return volatile
 
 
 def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
@@ -385,6 +555,8 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
     tool = request.tool
     if tool is None:
         return arguments
+    if isinstance(tool.args_schema, dict):
+        return with_schema_defaults(arguments, tool.args_schema)
     schema = tool.tool_call_schema
     if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
         return arguments
@@ -401,14 +573,15 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
     return arguments
 
 
-def _record_of(message: ToolMessage | None, tool: str) -> dict[str, Any]:
+def _record_of(message: ToolMessage | None, tool: str, run: str) -> dict[str, Any]:
     """What a retry should see: the answering message's content, status and artifact, or a note.
 
-    An artifact with no JSON form (a document object, say) is left out rather than making the
-    whole outcome unstorable: the model never reads it, only the application does.
+    ``run`` marks the record as the one the current call made. An artifact with no JSON form (a
+    document object, say) is left out rather than making the whole outcome unstorable: the
+    model never reads it, only the application does.
     """
     if message is not None:
-        record: dict[str, Any] = {"content": message.content, "status": message.status}
+        record: dict[str, Any] = {"content": message.content, "status": message.status, "run": run}
         if message.artifact is not None:
             try:
                 json.dumps(message.artifact, allow_nan=False)
@@ -423,6 +596,7 @@ def _record_of(message: ToolMessage | None, tool: str) -> dict[str, Any]:
             "that update is not repeated and the tool was not run again."
         ),
         "status": "success",
+        "run": run,
     }
 
 
