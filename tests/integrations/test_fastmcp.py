@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from fastmcp import Client, FastMCP
+from fastmcp import Client, Context, FastMCP
 from fastmcp.client.client import CallToolResult
+from fastmcp.dependencies import Depends
 from fastmcp.server.middleware.error_handling import RetryMiddleware
 from mcp.types import ToolAnnotations
 
@@ -104,7 +105,9 @@ def test_keyed_tool_replays_after_a_timeout(ledger: twiceshy.Ledger) -> None:
             ]
 
     first, second, third = run(main)
-    assert first.is_error  # FastMCP's own failure: a KEYED call may be retried
+    assert first.is_error  # out of its one attempt: it may have taken effect
+    assert "did not finish on its one attempt" in text(first)
+    assert "calling it again later with the same arguments is safe" in text(first)
     assert not second.is_error
     assert second.structured_content == {"id": "ch_1", "amount": 4900}
     assert (third.structured_content, third.data) == (second.structured_content, second.data)
@@ -195,6 +198,83 @@ def test_a_masking_server_quotes_no_error_detail(ledger: twiceshy.Ledger) -> Non
     result = run(main)
     assert_honest(result)
     assert "smtp.internal" not in text(result)
+
+
+def test_a_masking_server_quotes_no_detail_of_a_keyed_tool_out_of_attempts(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """With mask_error_details, twiceshy's words for a KEYED tool out of attempts quote
+    FastMCP's masked text, never the tool's exception."""
+    provider = Provider()
+    server = FastMCP("billing", mask_error_details=True)
+
+    @server.tool
+    def charge_card(customer: str, amount: int) -> dict[str, Any]:
+        """Charge a card."""
+        provider.charge(twiceshy.current_key(), customer, amount)
+        raise TimeoutError("gateway.internal:443 did not answer")
+
+    guard = ledger.guard("charge_card", effect=twiceshy.KEYED, attempts=1)
+    server.add_middleware(TwiceshyMiddleware(ledger, effects={"charge_card": guard}))
+
+    async def main() -> CallToolResult:
+        async with Client(server) as client:
+            return await client.call_tool(
+                "charge_card",
+                {"customer": "cus_1", "amount": 5},
+                meta=scoped("run-1"),
+                raise_on_error=False,
+            )
+
+    result = run(main)
+    said = " ".join(text(result).split())
+    assert result.is_error
+    assert said.startswith(
+        "The tool 'charge_card' did not finish on its one attempt (the last: ToolError: Error "
+        "calling tool 'charge_card'): it may have taken effect."
+    )
+    assert "gateway.internal" not in said
+    assert "try again" not in said.lower()
+    assert len(provider.keys_seen) == 1
+
+
+OPENED: list[str] = []
+
+
+def open_connection() -> str:
+    """A dependency (``Depends``): FastMCP resolves it for each run of the tool."""
+    OPENED.append("opened")
+    return "conn-1"
+
+
+def test_injected_parameters_are_no_part_of_the_intent(ledger: twiceshy.Ledger) -> None:
+    """A tool taking the Context and a dependency: "5", 5 and 5.0 are one intent, keyed by what
+    it receives, and the dependency is resolved for the run only, never for the key."""
+    provider = Provider()
+    OPENED.clear()
+    server = FastMCP("billing")
+
+    @server.tool
+    def charge_card(
+        amount: int, ctx: Context, connection: str = Depends(open_connection)
+    ) -> dict[str, Any]:
+        """Charge a card."""
+        assert ctx.fastmcp is server
+        return provider.charge(twiceshy.current_key(), connection, amount)
+
+    server.add_middleware(TwiceshyMiddleware(ledger, effects={"charge_card": twiceshy.KEYED}))
+
+    async def main() -> list[Any]:
+        async with Client(server) as client:
+            return [
+                (await client.call_tool("charge_card", {"amount": a}, meta=scoped("r"))).data
+                for a in ("5", 5, 5.0)
+            ]
+
+    assert run(main) == [{"id": "ch_1", "amount": 5}] * 3
+    assert len(provider.keys_seen) == 1
+    assert provider.keys_seen[0] == twiceshy.idempotency_key("r", "charge_card", {"amount": 5})
+    assert OPENED == ["opened"]
 
 
 def test_annotations_decide_the_effect_class_unless_declared(ledger: twiceshy.Ledger) -> None:

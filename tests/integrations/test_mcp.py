@@ -14,12 +14,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import mcp_server_app
 import pytest
 from mcp import Client
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import Context, MCPServer, Resolve
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, InputRequiredResult, RequestParamsMeta, ToolAnnotations
 
@@ -115,7 +115,9 @@ def test_keyed_tool_replays_after_a_timeout(ledger: twiceshy.Ledger) -> None:
             ]
 
     first, second, third = run(main)
-    assert first.is_error  # the tool's own failure: a KEYED call may be retried
+    assert first.is_error  # out of its one attempt: it may have taken effect
+    assert "did not finish on its one attempt" in text(first)
+    assert "calling it again later with the same arguments is safe" in text(first)
     assert not second.is_error
     assert second.structured_content == {"id": "ch_1", "amount": 4900}
     assert third.structured_content == second.structured_content
@@ -255,6 +257,46 @@ def test_omitted_default_and_explicit_default_are_one_intent(ledger: twiceshy.Le
 
     assert run(main) == ["mail 1", "mail 1", "mail 2"]
     assert sent == [("a@b.c", False), ("a@b.c", True)]
+
+
+REGIONS: list[str] = []
+
+
+def region_of_the_account() -> str:
+    """A resolver (``Resolve``): the SDK fills the ``region`` parameter with its answer."""
+    REGIONS.append("looked up")
+    return "eu"
+
+
+def test_injected_parameters_are_no_part_of_the_intent(ledger: twiceshy.Ledger) -> None:
+    """A tool taking the Context and a resolved parameter: "5" and 5 are one intent, keyed by
+    what it receives, and the SDK resolves the parameter only for the run."""
+    provider = Provider()
+    REGIONS.clear()
+    server: MCPServer[Any] = MCPServer("billing")
+
+    @server.tool()
+    def create_charge(
+        amount: int, ctx: Context, region: Annotated[str, Resolve(region_of_the_account)]
+    ) -> dict[str, Any]:
+        """Charge a card."""
+        assert ctx.request_context is not None
+        return provider.charge(twiceshy.current_key(), region, amount)
+
+    protect(server, ledger, effects={"create_charge": twiceshy.KEYED})
+
+    async def main() -> list[CallToolResult]:
+        async with Client(server) as client:
+            return [
+                await client.call_tool("create_charge", {"amount": amount}, meta=scoped("r"))
+                for amount in ("5", 5, 5.0)
+            ]
+
+    answers = run(main)
+    assert [a.structured_content for a in answers] == [{"id": "ch_1", "amount": 5}] * 3
+    assert len(provider.keys_seen) == 1
+    assert provider.keys_seen[0] == twiceshy.idempotency_key("r", "create_charge", {"amount": 5})
+    assert REGIONS == ["looked up"]
 
 
 def test_missing_scope_is_an_error_and_nothing_runs(ledger: twiceshy.Ledger) -> None:

@@ -6,17 +6,25 @@ That line adds a middleware whose ``on_call_tool`` hands every tool call to a
 :class:`twiceshy.Guard`; nothing else is touched. Install with ``pip install 'twiceshy[fastmcp]'``.
 The rules are those of :mod:`twiceshy.integrations.mcp`:
 
-- **Intent**: the tool's name and its ``arguments`` as the client sent them (with the tool's
-  parameter defaults filled in for omitted ones), in the run scope the client names in the
-  request's ``_meta`` under ``"dev.twiceshy/scope"`` (or an explicit key under
-  ``"dev.twiceshy/key"``); without either, the ``scope=`` fallback, else the call does not run
-  and the client reads an ``isError`` result saying it must send the scope. (FastMCP leaves
+- **Intent**: the tool's name and the arguments its function receives: the ``arguments`` as
+  FastMCP validates them for the function (``"5"`` for an ``int`` is ``5``, an omitted parameter
+  is its default, a nested model is the model it becomes; strict when the server validates
+  strictly), without the context and dependencies FastMCP injects, which are never resolved for
+  the key. A tool with no Python function behind it (a proxied or transformed tool) is named by
+  its JSON arguments, with the schema's defaults for omitted ones. The run scope is the one the
+  client names in the request's ``_meta`` under ``"dev.twiceshy/scope"`` (or an explicit key
+  under ``"dev.twiceshy/key"``); without either, the ``scope=`` fallback, else the call does not
+  run and the client reads an ``isError`` result saying it must send the scope. (FastMCP leaves
   ``context.message.meta`` empty; the client's ``_meta`` is read from the request context.)
 - **Effect class**: an entry in ``effects=`` wins; otherwise the tool's annotations decide:
-  ``readOnlyHint`` or ``idempotentHint`` → ``SAFE``, anything else → ``UNSAFE``.
-- **Honest failures**: ``OutcomeUnknown`` and ``InProgress`` come back as a ``ToolResult`` with
-  ``is_error=True`` (an ordinary result: ``RetryMiddleware`` does not retry it), and a retry of a
-  finished intent gets the first call's result, replayed from the ledger.
+  ``readOnlyHint`` or ``idempotentHint`` → ``SAFE``, anything else → ``UNSAFE``. A tool whose
+  function calls :func:`twiceshy.point_of_no_return` is guarded with ``effect_at="mark"``.
+- **Honest failures**: ``OutcomeUnknown``, ``InProgress`` and twiceshy's other answers come back
+  as a ``ToolResult`` with ``is_error=True`` (an ordinary result: ``RetryMiddleware`` does not
+  retry it), and a retry of a finished intent gets the first call's result, replayed from the
+  ledger as it went on the wire. A KEYED tool out of attempts is answered with twiceshy's text
+  as a ``ToolError`` raised from the tool's own error, which ``RetryMiddleware`` may retry (with
+  the same key).
 - **Order**: middleware added first is outermost. Add ``RetryMiddleware`` (and any other
   middleware that retries) *before* this one, so every retry passes through the ledger.
 
@@ -27,19 +35,34 @@ and ``not_applied=`` of a declared guard match the tool's own types; FastMCP's `
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
+import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Final, cast
+from typing import Any, Final, cast, get_type_hints
 
 import fastmcp
 from fastmcp.exceptions import DisabledError, NotFoundError, ToolError, ValidationError
+from fastmcp.server.dependencies import without_injected_parameters
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
-from fastmcp.tools.base import InputRequiredToolResult, RawStructuredToolResult, ToolResult
+from fastmcp.server.providers.addressing import parse_hashed_backend_name
+from fastmcp.tools.base import InputRequiredToolResult, RawStructuredToolResult, Tool, ToolResult
+from fastmcp.tools.function_tool import FunctionTool
+from fastmcp.utilities.types import get_cached_typeadapter
 from mcp.types import CallToolRequestParams, ContentBlock, TextContent
 from pydantic import TypeAdapter
+from pydantic_core import to_json
 
 from twiceshy import Guard, Ledger
 from twiceshy.errors import InProgress, NotApplied, OutcomeUnknown, TwiceshyError
+from twiceshy.integrations._calls import (
+    ANSWERED,
+    for_the_model,
+    keyed_exhausted,
+    received,
+    with_schema_defaults,
+)
 from twiceshy.integrations.mcp import (
     REFUSALS,
     Effects,
@@ -48,7 +71,7 @@ from twiceshy.integrations.mcp import (
     _identity,
     _Interim,
     _text_of,
-    _with_defaults,
+    _uncancelled,
     effect_from_annotations,
 )
 
@@ -105,6 +128,116 @@ def _root(error: Exception) -> Exception:
     return error
 
 
+async def _lookup(server: fastmcp.FastMCP[Any], name: str) -> Tool | None:
+    """The tool FastMCP runs for a call of ``name``, found as ``FastMCP.call_tool`` finds it."""
+    tool = await server.get_tool(name)
+    if tool is None:
+        # A backend tool callable by apps is addressed by a hashed name (as FastMCP's own
+        # authorization middleware resolves it): guarded like any other.
+        hashed = parse_hashed_backend_name(name)
+        if hashed is not None:
+            tool = await server.get_tool_by_hash(*hashed)
+    return tool
+
+
+def _function_of(tool: Tool | None) -> Callable[..., Any] | None:
+    """The Python function a tool runs, where FastMCP validates its arguments for it."""
+    if (
+        isinstance(tool, FunctionTool)
+        and type(tool).run is FunctionTool.run
+        and type(tool)._run is Tool._run
+    ):
+        return tool.fn
+    return None  # a proxy, a transformed or mounted tool: its JSON arguments are all there is
+
+
+_Validator = tuple[Callable[..., Any], TypeAdapter[Any]]
+
+_VALIDATORS: weakref.WeakKeyDictionary[Callable[..., Any], _Validator] = weakref.WeakKeyDictionary()
+
+
+def _validator(fn: Callable[..., Any]) -> _Validator:
+    """What FastMCP validates the arguments of the tool ``fn`` against, without the tool.
+
+    ``FunctionTool.run`` validates and calls in one step, with a ``TypeAdapter`` over
+    ``without_injected_parameters(fn)`` (whose wrapper resolves the injected parameters only
+    when called). This adapter is over a stand-in with that wrapper's signature and annotations
+    whose body hands back the arguments it gets: FastMCP's validation, with no tool run and no
+    dependency resolved. Built once per function.
+    """
+    try:
+        made = _VALIDATORS.get(fn)
+    except TypeError:  # a callable that takes no weak reference: built afresh
+        made = None
+    if made is not None:
+        return made
+    exposed = without_injected_parameters(fn)
+    signature = inspect.signature(exposed)
+    try:
+        hints = get_type_hints(exposed, include_extras=True)
+    except Exception:  # as FastMCP falls back: the signature's own annotations
+        hints = {}
+    annotations = {
+        name: hints.get(name, parameter.annotation)
+        for name, parameter in signature.parameters.items()
+        if name in hints or parameter.annotation is not inspect.Parameter.empty
+    }
+
+    def handed(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    handed.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        return_annotation=inspect.Signature.empty
+    )
+    handed.__annotations__ = annotations
+    handed.__name__ = getattr(fn, "__name__", handed.__name__)
+    handed.__qualname__ = getattr(fn, "__qualname__", handed.__qualname__)
+    handed.__module__ = getattr(fn, "__module__", handed.__module__)
+    made = (handed, get_cached_typeadapter(handed))
+    with contextlib.suppress(TypeError):  # a callable that takes no weak reference
+        _VALIDATORS[fn] = made
+    return made
+
+
+def _is_json(value: Any) -> bool:
+    """Whether ``value`` is made only of what a JSON parser produces."""
+    if value is None or isinstance(value, (str, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(_is_json(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False
+
+
+def _validated(adapter: TypeAdapter[Any], arguments: dict[str, Any], strict: bool) -> Any:
+    """Validate as ``FunctionTool`` does: lax as Python, or, for a server with
+    ``strict_input_validation``, JSON arguments strictly in JSON mode (an enum's value, an ISO
+    date still validate; ``"5"`` for an ``int`` does not).
+    """
+    if not strict or not _is_json(arguments):
+        return adapter.validate_python(arguments, strict=True if strict else None)
+    return adapter.validate_json(to_json(arguments), strict=True)
+
+
+def _intent(
+    fn: Callable[..., Any] | None, arguments: Mapping[str, Any], schema: object, strict: bool
+) -> dict[str, Any]:
+    """The arguments that name the intent: those the tool's function receives (DESIGN.md §2),
+    else the JSON arguments with the schema's defaults for omitted ones.
+    """
+    if fn is not None:
+        try:
+            handed, adapter = _validator(fn)
+            args, kwargs = _validated(adapter, dict(arguments), strict)
+            return received(handed, args, kwargs)
+        except Exception:
+            # FastMCP refuses these arguments (its own refusal then releases the claim), or they
+            # cannot be read here: the JSON names the intent; the ledger still holds the call.
+            pass
+    return with_schema_defaults(arguments, schema)
+
+
 class TwiceshyMiddleware(Middleware):
     """A FastMCP middleware that runs each tool call at most once per intent.
 
@@ -133,26 +266,27 @@ class TwiceshyMiddleware(Middleware):
 
     async def _guard_for(
         self, context: MiddlewareContext[CallToolRequestParams]
-    ) -> tuple[Guard | str | None, object]:
-        """The tool's guard and its parameters' JSON schema (``None`` when unknown).
+    ) -> tuple[Guard | str | None, object, Tool | None]:
+        """The tool's guard, its parameters' JSON schema (``None`` when unknown), and the tool.
 
         The guard is ``None`` for a tool the server does not know, or a refusal's text.
         """
         name = context.message.name
-        declared = self._guards.declared(name)
         if context.fastmcp_context is None:
-            if declared is not None:
-                return declared, None
-            return (
+            guard = self._guards.guard(name, None, None)
+            if guard is not None:
+                return guard, None, None
+            refusal = (
                 f"the tool {name!r} has no declared effect class and its annotations cannot be "
                 "read here: declare it in effects= of the twiceshy middleware. The call did not "
                 "run."
-            ), None
-        tool = await context.fastmcp_context.fastmcp.get_tool(name)
+            )
+            return refusal, None, None
+        tool = await _lookup(context.fastmcp_context.fastmcp, name)
         if tool is None:
-            return declared, None
-        guard = declared or self._guards.derived(name, effect_from_annotations(tool.annotations))
-        return guard, tool.parameters
+            return self._guards.guard(name, None, None), None, None
+        implied = effect_from_annotations(tool.annotations)
+        return self._guards.guard(name, implied, _function_of(tool)), tool.parameters, tool
 
     def _honest(self, context: MiddlewareContext[CallToolRequestParams], exc: Exception) -> str:
         """The text the model reads for ``OutcomeUnknown`` / ``InProgress``."""
@@ -170,6 +304,23 @@ class TwiceshyMiddleware(Middleware):
         # FastMCP keeps the constructor's mask_error_details= only as a private attribute.
         return bool(getattr(server, "_mask_error_details", fastmcp.settings.mask_error_details))
 
+    def _exhausted(
+        self,
+        context: MiddlewareContext[CallToolRequestParams],
+        guard: Guard,
+        error: Exception,
+        intent: Mapping[str, Any],
+        scope: str | None,
+        key: str | None,
+    ) -> str | None:
+        """twiceshy's text for a KEYED tool out of attempts (``None`` for any other error)."""
+        said = for_the_model(guard, error, intent, scope=scope, key=key)
+        if said is None or not self._masks(context):
+            return said
+        # The text would quote the tool's exception, which this server hides from clients.
+        masked = ToolError(f"Error calling tool {guard.name!r}")
+        return keyed_exhausted(guard, masked, guard.key_for(intent, scope=scope, key=key))
+
     async def on_call_tool(
         self,
         context: MiddlewareContext[CallToolRequestParams],
@@ -177,24 +328,27 @@ class TwiceshyMiddleware(Middleware):
     ) -> ToolResult:
         """Guard one tool call."""
         name, arguments = context.message.name, context.message.arguments or {}
-        guard, schema = await self._guard_for(context)
+        guard, schema, tool = await self._guard_for(context)
         if guard is None:
             return await call_next(context)  # FastMCP answers an unknown tool; nothing runs
         if isinstance(guard, str):
             return _error_result(guard)
+        fctx = context.fastmcp_context
+        strict = fctx is not None and bool(fctx.fastmcp.strict_input_validation)
+        intent = _intent(_function_of(tool), arguments, schema, strict)
         produced: list[tuple[ToolResult, dict[str, Any]]] = []
-        wrapped: list[tuple[Exception, Exception]] = []  # (what the tool raised, FastMCP's error)
+        raised: list[tuple[Exception, Exception]] = []  # (what the guard read, what FastMCP raised)
 
         async def work() -> dict[str, Any]:
             try:
-                result = await call_next(context)
+                result = await _uncancelled(call_next(context))
             except (ValidationError, NotFoundError, DisabledError) as exc:
                 raise _NotRun(exc) from exc
             except Exception as exc:
                 root = _root(exc)
+                raised.append((root, exc))
                 if root is exc:
                     raise
-                wrapped.append((root, exc))
                 raise root from root.__cause__
             if isinstance(result, InputRequiredToolResult) or not isinstance(result, ToolResult):
                 # An input_required round, or an extension's handle (a background task): not an
@@ -206,36 +360,43 @@ class TwiceshyMiddleware(Middleware):
             produced.append((result, data))
             return data
 
+        scope: str | None = None
+        key: str | None = None
         try:
-            scope, key = None, None
             if guard.recorded:
-                fallback, fctx = self._scope, context.fastmcp_context
+                fallback = self._scope
                 request = fctx.request_context if fctx is not None else None
                 scope, key = _identity(
                     request.meta if request is not None else None,
                     (lambda: fallback(context)) if fallback is not None else None,
                     name,
                 )
-            intent = _with_defaults(arguments, schema)
             value = await guard.acall(intent, work, scope=scope, key=key)
         except _NotRun as exc:
             raise exc.error from None  # FastMCP's own answer to a call it refused
         except _Interim as exc:
             return cast("ToolResult", exc.result)  # passed on as FastMCP produced it
-        except ToolFailed as exc:
-            if isinstance(exc.result, ToolResult):
-                return exc.result
-            return _error_result(str(exc))  # a failure recorded as definite, replayed
         except (OutcomeUnknown, InProgress) as exc:
             return _error_result(self._honest(context, exc))
-        except REFUSALS as exc:
-            log.info("twiceshy: tools/call %r refused: %s", name, exc)
+        except (*ANSWERED, *REFUSALS) as exc:
+            log.info("twiceshy: tools/call %r answered by twiceshy: %s", name, exc)
             return _error_result(str(exc))
         except Exception as exc:
-            for root, framework_error in wrapped:
+            said = self._exhausted(context, guard, exc, intent, scope, key)
+            if said is not None:
+                # It may have taken effect: twiceshy's words, as FastMCP's own error, raised
+                # from the tool's, so that RetryMiddleware outside may retry it (same key).
+                raise ToolError(said) from exc
+            if isinstance(exc, ToolFailed):
+                if isinstance(exc.result, ToolResult):
+                    return exc.result
+                return _error_result(str(exc))  # a failure recorded as definite, replayed
+            for root, framework_error in raised:
                 if root is exc:
-                    # FastMCP's own error (masked as the server wants) for a failure twiceshy
-                    # lets the caller retry: a KEYED tool out of attempts, a SAFE tool.
+                    # FastMCP's own error (masked as the server wants) for a failure after which
+                    # twiceshy lets the caller retry: nothing happened, or a SAFE tool.
+                    if framework_error is exc:
+                        raise
                     raise framework_error from exc
             if isinstance(exc, TwiceshyError):
                 raise  # the ledger failed: loudly, never as a tool result

@@ -5,32 +5,38 @@
 That line adds a server middleware that hands every ``tools/call`` to a :class:`twiceshy.Guard`;
 every other request passes untouched. Install with ``pip install 'twiceshy[mcp]'``.
 
-- **Intent**: the tool's name and its ``arguments`` as the client sent them (with the input
-  schema's defaults filled in for omitted parameters, when the middleware knows the server), in
-  the run scope the client names in the request's ``_meta`` under :data:`SCOPE_META_KEY`
-  (``"dev.twiceshy/scope"``):
+- **Intent**: the tool's name and the arguments its function receives: the request's
+  ``arguments`` after the server's own validation (``"5"`` for an ``int`` is ``5``, an omitted
+  parameter is its default, a nested model is the model it becomes), bound to the function's
+  signature; the context and resolved parameters the SDK injects are no part of it. A tool the
+  middleware cannot look up is named by its JSON arguments, with the input schema's defaults
+  for omitted ones. The run scope is the one the client names in the request's ``_meta`` under
+  :data:`SCOPE_META_KEY` (``"dev.twiceshy/scope"``):
   ``await client.call_tool("charge_card", args, meta=twiceshy_meta(run_id))``. A client
   that derives its own key sends :data:`KEY_META_KEY` (``"dev.twiceshy/key"``) instead. Without
   either, the ``scope=`` callable of the middleware is asked; without that, the call does not run
   and the client gets an ``isError`` result saying it must send the scope.
 - **Effect class**: an explicit entry in ``effects=`` wins; otherwise the tool's MCP annotations
   decide (:func:`effect_from_annotations`): ``readOnlyHint`` or ``idempotentHint`` → ``SAFE``,
-  anything else → ``UNSAFE``. ``KEYED`` is never guessed: declare it.
-- **Honest failures**: ``OutcomeUnknown`` and ``InProgress`` reach the client as a
+  anything else → ``UNSAFE``. ``KEYED`` is never guessed: declare it. A tool whose function calls
+  :func:`twiceshy.point_of_no_return` is guarded with ``effect_at="mark"``.
+- **Honest failures**: twiceshy's answers (an unknown outcome, a call in progress, a KEYED tool
+  out of attempts, a result that was not kept, a refused key) reach the client as a
   ``CallToolResult`` with ``isError: true`` and twiceshy's message for the model. A retry of a
-  finished intent gets the first call's result, replayed from the ledger.
+  finished intent gets the first call's result, replayed from the ledger as it went on the wire.
 
 The SDK turns a tool's exception into an ``isError`` result before any middleware sees it, so an
 ``isError`` answer counts as an ambiguous failure (:class:`ToolFailed`): the tool may have taken
-effect. Arguments the server's own validator refuses never reach the tool and are passed through
-without a claim.
+effect, unless it had not yet called ``point_of_no_return()``. Arguments the server's own
+validator refuses never reach the tool and are passed through without a claim.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any, Final, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Literal, TypeVar, cast
 
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
@@ -40,14 +46,19 @@ from pydantic import BaseModel, ValidationError
 
 from twiceshy import Effect, Guard, Ledger
 from twiceshy.errors import (
-    InProgress,
     KeyReuseMismatch,
     MissingScope,
     NotApplied,
-    OutcomeUnknown,
     ReplayedError,
     ResultNotStorable,
     UnkeyableArgument,
+)
+from twiceshy.integrations._calls import (
+    ANSWERED,
+    effect_at_of,
+    for_the_model,
+    received,
+    with_schema_defaults,
 )
 
 __all__ = [
@@ -83,6 +94,27 @@ REFUSALS: Final = (
     ReplayedError,
     ResultNotStorable,
 )
+
+_EffectAt = Literal["mark", "http"] | None
+
+_T = TypeVar("_T")
+
+CANCELLED: Final = "the MCP request was cancelled"
+"""How a tool call cancelled while it ran (the client's ``notifications/cancelled``, a dropped
+connection) is told in its record, which the next identical call quotes."""
+
+
+async def _uncancelled(step: Awaitable[_T]) -> _T:
+    """``await step``, a cancellation raised on with :data:`CANCELLED` as its message.
+
+    anyio's own message names its cancel scope and the task it runs in (a long repr with a file
+    path), which the record's reason, and so the model, would otherwise read. The cancellation
+    itself goes on: anyio recognises it through the new error's ``__context__``.
+    """
+    try:
+        return await step
+    except asyncio.CancelledError:
+        raise asyncio.CancelledError(CANCELLED)  # noqa: B904 - the context is what anyio reads
 
 
 def twiceshy_meta(scope: str | None = None, *, key: str | None = None) -> RequestParamsMeta:
@@ -143,15 +175,21 @@ def effect_from_annotations(annotations: ToolAnnotations | None) -> Effect:
 
 
 class _Guards:
-    """The guard of each tool: declared ones, and ones made from an effect class on first use."""
+    """The guard of each tool: declared ones, and ones made from an effect class on first use.
 
-    __slots__ = ("_declared", "_derived", "_ledger")
+    A guard made here knows where its tool's effect starts (``effect_at="mark"`` for a function
+    that calls ``point_of_no_return``); a guard the user declared keeps its own.
+    """
+
+    __slots__ = ("_declared", "_effects", "_ledger", "_made")
 
     def __init__(self, ledger: Ledger, effects: Effects | None) -> None:
         if not isinstance(ledger, Ledger):
             raise TypeError("the first argument must be a twiceshy.Ledger")
         self._ledger = ledger
         self._declared: dict[str, Guard] = {}
+        self._effects: dict[str, Effect] = {}
+        self._made: dict[tuple[str, Effect, _EffectAt], Guard] = {}
         for name, spec in (effects or {}).items():
             if isinstance(spec, Guard):
                 if spec.name != name:
@@ -160,22 +198,37 @@ class _Guards:
                     )
                 self._declared[name] = spec
             elif isinstance(spec, Effect):
-                self._declared[name] = ledger.guard(name, effect=spec)
+                self._effects[name] = spec
+                self._made[(name, spec, None)] = ledger.guard(name, effect=spec)  # checks the name
             else:
                 raise TypeError(
                     f"effects[{name!r}] must be twiceshy.SAFE, KEYED, UNSAFE or a twiceshy.Guard"
                 )
-        self._derived: dict[tuple[str, Effect], Guard] = {}
 
-    def declared(self, name: str) -> Guard | None:
-        """The guard declared for ``name``, if any."""
-        return self._declared.get(name)
+    def declared(self, name: str) -> bool:
+        """Whether ``effects=`` names the tool ``name``."""
+        return name in self._declared or name in self._effects
 
-    def derived(self, name: str, effect: Effect) -> Guard:
-        """A guard for an undeclared tool, from the effect class its annotations imply."""
-        guard = self._derived.get((name, effect))
+    def guard(
+        self, name: str, implied: Effect | None, fn: Callable[..., Any] | None
+    ) -> Guard | None:
+        """The guard of the tool ``name``: the declared one, else one of the effect class
+        declared or ``implied`` (by its annotations); ``None`` when nothing gives one.
+
+        ``fn`` is the tool's function, when known: where its effect starts.
+        """
+        declared = self._declared.get(name)
+        if declared is not None:
+            return declared
+        effect = self._effects.get(name, implied)
+        if effect is None:
+            return None
+        effect_at = cast("_EffectAt", effect_at_of(fn))
+        guard = self._made.get((name, effect, effect_at))
         if guard is None:
-            guard = self._derived[(name, effect)] = self._ledger.guard(name, effect=effect)
+            guard = self._made[(name, effect, effect_at)] = self._ledger.guard(
+                name, effect=effect, effect_at=effect_at
+            )
         return guard
 
 
@@ -205,21 +258,6 @@ def _identity(
         f"must send it in the request's _meta as {SCOPE_META_KEY!r} (a non-empty string, the same "
         "on every retry of the run). The call did not run."
     )
-
-
-def _with_defaults(arguments: Mapping[str, Any], schema: object) -> dict[str, Any]:
-    """``arguments`` with the input schema's defaults for the parameters the client left out.
-
-    A client may leave out an optional parameter once and send its default the next time: one
-    intent (DESIGN.md §2). Only the key uses these; the tool gets the arguments as sent.
-    """
-    filled = dict(arguments)
-    properties = schema.get("properties") if isinstance(schema, Mapping) else None
-    if isinstance(properties, Mapping):
-        for name, spec in properties.items():
-            if name not in filled and isinstance(spec, Mapping) and "default" in spec:
-                filled[name] = spec["default"]
-    return filled
 
 
 def _text_of(content: object) -> str:
@@ -256,31 +294,59 @@ def _error_result(ctx: ServerRequestContext[Any, Any], text: str) -> dict[str, A
     return _shaped(ctx, _as_dict(result))
 
 
-def _refused(server: MCPServer[Any] | None, name: str, arguments: Mapping[str, Any]) -> bool:
-    """Whether the server will refuse the call before its tool runs: unknown tool, bad arguments.
+_NO_LOOKUP: Final = object()
+"""The server offers no lookup of its tools' registrations."""
 
-    ``MCPServer`` answers both as ``isError``, which the middleware could not tell from a failure
-    of the tool itself. The check uses the very lookup and validator the server will use; where the
-    server offers none, nothing is refused here and an ``isError`` answer stays ambiguous.
+
+def _registered(server: MCPServer[Any] | None, name: str) -> Any:
+    """The server's own registration of the tool ``name`` (``None`` for a tool it does not
+    know), or :data:`_NO_LOOKUP`.
     """
     # MCPServer has no public per-name tool lookup; the tool manager is feature-detected.
     manager = getattr(server, "_tool_manager", None)
     get_tool = getattr(manager, "get_tool", None)
     if not callable(get_tool):
-        return False
-    tool = get_tool(name)
+        return _NO_LOOKUP
+    return get_tool(name)
+
+
+def _intent(tool: Any, arguments: Mapping[str, Any], schema: object) -> dict[str, Any] | None:
+    """The arguments that name the intent: those the tool's function receives (DESIGN.md §2).
+
+    That is the server's own validation of ``arguments`` (``FuncMetadata.validate_arguments``,
+    the very step ``Tool.run`` takes first), bound to the function's signature without the
+    context and resolved parameters the SDK injects. Where the server offers no such step, the
+    JSON arguments with the input schema's defaults.
+
+    Returns:
+        ``None`` when the server will refuse the call before its tool runs (an unknown tool,
+        arguments its validator refuses): ``MCPServer`` answers both as ``isError``, which the
+        middleware could not tell from a failure of the tool itself.
+    """
     if tool is None:
-        return True
+        return None
+    raw = with_schema_defaults(arguments, schema)
     validate = getattr(getattr(tool, "fn_metadata", None), "validate_arguments", None)
+    fn = getattr(tool, "fn", None)
     if not callable(validate):
-        return False
+        return raw
     try:
-        validate(dict(arguments))
+        validated = validate(dict(arguments))
     except ValidationError:
-        return True
+        return None
     except Exception:
-        return False  # a crashing validator is the tool's failure: let the guarded call meet it
-    return False
+        return raw  # a crashing validator is the tool's failure: let the guarded call meet it
+    if not callable(fn) or not isinstance(validated, Mapping):
+        return raw
+    context = getattr(tool, "context_kwarg", None)
+    inject = [context] if isinstance(context, str) else []
+    inject.extend(name for name in getattr(tool, "resolved_params", None) or () if name)
+    # received() binds the whole signature: the injected parameters get a stand-in, left out.
+    given = {**validated, **dict.fromkeys(inject)}
+    try:
+        return received(fn, (), given, inject=inject)
+    except (TypeError, ValueError):  # a signature the binder cannot read: the JSON it got
+        return raw
 
 
 class TwiceshyMiddleware:
@@ -321,27 +387,29 @@ class TwiceshyMiddleware:
     def __repr__(self) -> str:
         return f"TwiceshyMiddleware(server={self._server.name if self._server else None!r})"
 
-    async def _guard_for(self, name: str) -> tuple[Guard | str | None, object]:
-        """The tool's guard and its input schema (``None`` when unknown).
+    async def _guard_for(self, name: str) -> tuple[Guard | str | None, object, Any]:
+        """The tool's guard, its input schema (``None`` when unknown), and its registration.
 
         The guard is ``None`` for a tool the server does not know, or a refusal's text.
         """
+        registered = _registered(self._server, name)
         declared = self._guards.declared(name)
         if self._server is None:
-            if declared is not None:
-                return declared, None
-            return (
+            if declared:
+                return self._guards.guard(name, None, None), None, registered
+            refusal = (
                 f"the tool {name!r} has no declared effect class: declare it in effects= of the "
                 "twiceshy middleware, or give the middleware the server so that the tool's "
                 "annotations can decide. The call did not run."
-            ), None
+            )
+            return refusal, None, registered
+        fn = getattr(registered, "fn", None)
         for tool in await self._server.list_tools():
             if tool.name == name:
-                guard = declared or self._guards.derived(
-                    name, effect_from_annotations(tool.annotations)
-                )
-                return guard, tool.input_schema
-        return declared, None
+                implied = effect_from_annotations(tool.annotations)
+                guard = self._guards.guard(name, implied, fn if callable(fn) else None)
+                return guard, tool.input_schema, registered
+        return self._guards.guard(name, None, None), None, registered
 
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
@@ -356,15 +424,21 @@ class TwiceshyMiddleware:
             or not isinstance(arguments, Mapping)
         ):
             return await call_next(ctx)  # the SDK answers malformed requests itself
-        guard, schema = await self._guard_for(name)
-        if guard is None or _refused(self._server, name, arguments):
+        guard, schema, registered = await self._guard_for(name)
+        if guard is None:
+            return await call_next(ctx)  # the server refuses it: the tool never runs
+        if registered is _NO_LOOKUP:
+            intent: dict[str, Any] | None = with_schema_defaults(arguments, schema)
+        else:
+            intent = _intent(registered, arguments, schema)
+        if intent is None:
             return await call_next(ctx)  # the server refuses it: the tool never runs
         if isinstance(guard, str):
             return _error_result(ctx, guard)
         produced: list[dict[str, Any]] = []
 
         async def work() -> dict[str, Any]:
-            data = _as_dict(await call_next(ctx))
+            data = _as_dict(await _uncancelled(call_next(ctx)))
             if is_input_required(data):
                 raise _Interim(data)
             if data.get("isError"):
@@ -372,8 +446,9 @@ class TwiceshyMiddleware:
             produced.append(data)
             return data
 
+        scope: str | None = None
+        key: str | None = None
         try:
-            scope, key = None, None
             if guard.recorded:
                 fallback = self._scope
                 meta = params.get("_meta")
@@ -382,17 +457,21 @@ class TwiceshyMiddleware:
                     (lambda: fallback(ctx)) if fallback is not None else None,
                     name,
                 )
-            intent = _with_defaults(arguments, schema)
             value = await guard.acall(intent, work, scope=scope, key=key)
-        except (_Interim, ToolFailed) as exc:
-            if isinstance(exc.result, dict):
-                return exc.result
+        except _Interim as exc:
+            return cast("dict[str, Any]", exc.result)  # passed on as the server produced it
+        except (*ANSWERED, *REFUSALS) as exc:
+            log.info("twiceshy: tools/call %r answered by twiceshy: %s", name, exc)
             return _error_result(ctx, str(exc))
-        except (OutcomeUnknown, InProgress) as exc:
-            return _error_result(ctx, str(exc))
-        except REFUSALS as exc:
-            log.info("twiceshy: tools/call %r refused: %s", name, exc)
-            return _error_result(ctx, str(exc))
+        except Exception as exc:
+            said = for_the_model(guard, exc, intent, scope=scope, key=key)
+            if said is not None:  # a KEYED tool out of attempts: it may have taken effect
+                return _error_result(ctx, said)
+            if isinstance(exc, ToolFailed):
+                if isinstance(exc.result, dict):
+                    return exc.result  # the server's own answer, as it gave it
+                return _error_result(ctx, str(exc))  # a failure recorded as definite, replayed
+            raise  # the ledger failed (loudly, never as a result), or a protocol error
         if produced and value is produced[-1]:
             return value
         return _shaped(ctx, value)  # a replay, or the outcome of a call joined in this process
