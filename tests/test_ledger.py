@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import numbers
 import threading
 import time
 import types
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from decimal import Decimal
-from typing import Any
+from typing import Any, SupportsInt
 
 import pydantic
 import pytest
@@ -497,7 +498,7 @@ class Handle:
 class Wrapped:
     """A dataclass with a field of no JSON form."""
 
-    handle: Handle | None
+    handle: Handle
 
 
 def test_result_without_json_form_is_recorded_as_done(ledger: twiceshy.Ledger) -> None:
@@ -575,6 +576,9 @@ def test_a_return_annotation_with_no_json_form_is_refused_when_declared(
         ledger.tool(effect=twiceshy.UNSAFE)(wrapped)
     with pytest.raises(twiceshy.ResultNotStorable):
         ledger.guard("g", effect=twiceshy.KEYED, returns=Iterator[int])
+    # What may well be stored passes: an ABC, a protocol, a union with a storable member.
+    for fine in (Iterable, numbers.Number, SupportsInt, Handle | None, Wrapped | str):
+        ledger.guard("g", effect=twiceshy.KEYED, returns=fine)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,10 @@ outcome (DESIGN.md §4), and the effect never starts without the lease."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -26,6 +28,16 @@ def ledger(store: Store) -> twiceshy.Ledger:
 def _only(ledger: twiceshy.Ledger) -> twiceshy.Record:
     (record,) = ledger.store.records("")
     return record
+
+
+def _lapse(store: Store, clock: FakeClock, to: State, **fields: Any) -> None:
+    """The store sees the only record's lease lapse, and another caller moves it to ``to``."""
+    (record,) = store.records("")
+    clock.advance(1.0)
+    change = Change(
+        fence=record.fence, from_states=frozenset({State.CLAIMED}), to=to, lapsed=True, **fields
+    )
+    store.write("", record.key, change)
 
 
 def test_an_error_before_the_point_releases_the_intent(ledger: twiceshy.Ledger) -> None:
@@ -202,20 +214,7 @@ def test_the_effect_never_starts_once_the_lease_was_taken_over(clock: FakeClock)
 
     @ledger.tool(effect=twiceshy.KEYED, lease=0.2, wait=0.0, attempts=1)
     def charge(amount: int) -> int:
-        (record,) = store.records("")
-        clock.advance(1.0)  # the store sees the lease lapse, and another caller takes over
-        store.write(
-            "",
-            record.key,
-            Change(
-                fence=record.fence,
-                from_states=frozenset({State.CLAIMED}),
-                to=State.CLAIMED,
-                lapsed=True,
-                new_owner="another-process",
-                lease=30.0,
-            ),
-        )
+        _lapse(store, clock, State.CLAIMED, new_owner="another-process", lease=30.0)  # taken over
         time.sleep(0.3)  # past this owner's own trust in its lease
         try:
             twiceshy.point_of_no_return()
@@ -245,19 +244,8 @@ def test_an_unsafe_owner_takes_back_a_lapse_marked_unknown_at_its_own_fence(
 
     @ledger.tool(effect=twiceshy.UNSAFE, lease=0.2)
     def wire(amount: int) -> int:
-        (record,) = store.records("")
-        clock.advance(1.0)
-        store.write(
-            "",
-            record.key,
-            Change(
-                fence=record.fence,
-                from_states=frozenset({State.CLAIMED}),
-                to=State.UNKNOWN,
-                lapsed=True,
-                reason="the call's owner stopped without recording an outcome",
-            ),
-        )
+        reason = "the call's owner stopped without recording an outcome"
+        _lapse(store, clock, State.UNKNOWN, reason=reason)  # a duplicate marks it UNKNOWN
         time.sleep(0.3)
         twiceshy.point_of_no_return()
         effects.append(amount)
@@ -268,3 +256,87 @@ def test_an_unsafe_owner_takes_back_a_lapse_marked_unknown_at_its_own_fence(
         assert wire(100) == 100
     assert effects == [100]
     assert _only(ledger).state is State.SUCCEEDED
+
+
+def test_a_thread_left_behind_by_an_ended_attempt_cannot_start_the_effect(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A tool gave up on a worker thread (its own timeout) before the point: the intent is
+    released and run again; the worker, woken later, is refused at the point (FencedOut)."""
+    sent: list[str] = []
+    refused: list[BaseException] = []
+    go = threading.Event()
+    workers: list[threading.Thread] = []
+
+    def send(number: str) -> None:
+        go.wait(5)
+        try:
+            twiceshy.point_of_no_return()
+        except twiceshy.FencedOut as exc:
+            refused.append(exc)
+            return
+        sent.append(number)
+
+    @ledger.tool(effect=twiceshy.UNSAFE, effect_at="mark")
+    def send_fax(number: str) -> str:
+        if not workers:
+            worker = threading.Thread(target=contextvars.copy_context().run, args=(send, number))
+            workers.append(worker)
+            worker.start()
+            raise TimeoutError("the worker did not answer in time")  # before the point
+        twiceshy.point_of_no_return()
+        sent.append(number)
+        return "sent"
+
+    with twiceshy.run("run-9"):
+        with pytest.raises(TimeoutError):
+            send_fax("555-0100")
+        assert send_fax("555-0100") == "sent"
+    go.set()
+    workers[0].join(5)
+    assert sent == ["555-0100"]
+    assert len(refused) == 1
+
+
+def test_an_attempt_past_the_point_keeps_a_later_one_from_releasing(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A KEYED tool whose first attempt passed its point and timed out, and whose second failed
+    before it: the intent may have taken effect, so it is unknown (next call: same key), never
+    released, and the caller's error says so."""
+    attempts: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, attempts=2, backoff=lambda n: 0.0)
+    def charge(amount: int) -> int:
+        attempts.append(amount)
+        if len(attempts) == 1:
+            twiceshy.point_of_no_return()
+            raise TimeoutError("the provider did not answer")
+        raise ConnectionRefusedError("the token endpoint is down")  # before the point
+
+    with twiceshy.run("run-10"), pytest.raises(ConnectionRefusedError) as last:
+        charge(5)
+    assert _only(ledger).state is State.UNKNOWN
+    assert "it may have taken effect" in " ".join(last.value.__notes__)
+    assert attempts == [5, 5]
+
+
+def test_an_http_tool_whose_client_skips_the_transport_is_not_released_on_a_network_error(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """Declared effect_at="http" but calling through a client without twiceshy's transport, a
+    network error (the request may have left) reads as after the point; a plain bug before any
+    request still releases."""
+    failures: list[BaseException] = [ConnectionResetError("peer reset"), NameError("payload")]
+
+    @ledger.tool(effect=twiceshy.UNSAFE, effect_at="http")
+    def post(order: str) -> str:
+        raise failures.pop(0)
+
+    with twiceshy.run("run-11"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            post("o-1")
+        with pytest.raises(NameError):
+            post("o-2")
+    states = {r.state for r in ledger.store.records("")}
+    assert states == {State.UNKNOWN, State.RELEASED}

@@ -21,6 +21,7 @@ retry is told so (:class:`NotKept`), never that the tool failed.
 
 from __future__ import annotations
 
+import abc
 import base64
 import collections.abc
 import dataclasses
@@ -292,11 +293,16 @@ def _unstorable(hint: Any, seen: set[int]) -> str | None:
         return None
     if origin in _NO_JSON_ORIGINS or hint in _NO_JSON_ORIGINS:
         return f"{_hint_name(hint)} has no JSON form"
+    if origin is typing.Union or origin is types.UnionType:
+        # Sure to fail only when every member is: `Foo | None` may well answer None.
+        reasons = [_unstorable(arg, seen) for arg in args]
+        return reasons[0] if all(reasons) else None
     if origin is not None:
         if (
             isinstance(origin, type)
             and origin not in _CONTAINERS
             and not _json_class(origin)
+            and not _abstract(origin)
             and not dataclasses.is_dataclass(origin)
             and not hasattr(origin, "model_fields")
         ):
@@ -318,7 +324,14 @@ def _unstorable(hint: Any, seen: set[int]) -> str | None:
         return None
     if dataclasses.is_dataclass(hint):
         return _fields_unstorable(hint, seen)
+    if _abstract(hint):
+        return None  # an ABC or a protocol: what is returned may well have a JSON form
     return f"{hint.__qualname__} has no JSON form"
+
+
+def _abstract(cls: type) -> bool:
+    """Whether ``cls`` only describes what its values can do (an ABC, a protocol)."""
+    return isinstance(cls, abc.ABCMeta) or bool(getattr(cls, "_is_protocol", False))
 
 
 def _json_class(cls: type) -> bool:

@@ -226,7 +226,7 @@ class Heartbeat:
             StoreError: the store could not be asked.
         """
         take_back = effect is Effect.UNSAFE
-        if job.lost and not take_back:
+        if job.stopped or (job.lost and not take_back):
             raise FencedOut(tool, job.key)
         if not job.lost and time.monotonic() < job.trusted_until:
             return

@@ -529,7 +529,7 @@ class Guard:
             )
         else:
             hint = f"raise the tool's max_arg_depth= (now {self._max_depth})"
-        error = type(refusal)(refusal.path, f"{refusal.reason}: {hint}")
+        error = type(refusal)(refusal.path, f"{refusal.reason}; the call did not run: {hint}")
         error.bound = refusal.bound
         return error
 

@@ -470,6 +470,7 @@ def protect(
                     started_at=record.created_at,
                     lapses_at=record.lease_deadline,
                     effect=plan.policy.effect.value,
+                    resumed=record.fence > 1,
                 )
             until_lapse = (record.lease_deadline or snap.now) - snap.now
             settled = Outcome.WAITED
@@ -503,6 +504,25 @@ def _replayed(plan: CallPlan, text: str) -> Any:
         raise ResultNotStorable.replayed(
             plan.policy.tool, plan.key, gone.type_name, gone.why, gone.text
         ) from None
+
+
+_NETWORK_MODULES: Final = ("httpx", "httpcore", "httpx2", "requests", "urllib3", "aiohttp")
+
+
+def _went_out(policy: Policy, error: BaseException | None) -> bool:
+    """Whether an error of a tool declared ``effect_at="http"`` shows that a request may have
+    left though no twiceshy transport marked it (the tool's client has none): a network or
+    HTTP client's error, in the error or its causes. Read as past the point of no return."""
+    if policy.effect_at != "http":
+        return False
+    seen = 0
+    while error is not None and seen < 8:
+        module = type(error).__module__.partition(".")[0]
+        if isinstance(error, OSError) or module in _NETWORK_MODULES:
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
 
 
 def _record_kept(plan: CallPlan, record: Record, kept: _Kept) -> Change:
@@ -568,6 +588,7 @@ def _own(
     policy = plan.policy
     finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
+    passed = False  # whether an attempt of this call passed its point of no return
     now = yield Now()
     if now >= trusted_until:
         take_back = finish_from if policy.effect is Effect.UNSAFE else frozenset()
@@ -591,7 +612,10 @@ def _own(
     while True:
         ran: Ran = yield Run(record.fence, attempt, trusted_until)
         error = ran.error
-        before_effect = policy.effect_at is not None and not ran.marked
+        passed = passed or ran.marked
+        # Nothing happened when no attempt reached the tool's point of no return: an earlier
+        # attempt that did may have taken effect, whatever the last one raised.
+        before_effect = policy.effect_at is not None and not passed and not _went_out(policy, error)
         if error is not None and not isinstance(error, Exception):
             # Interrupted while the work ran (a cancelled task, Ctrl-C): nothing is known of its
             # effect, and nothing renews the lease any more. Say so in the record, so the next

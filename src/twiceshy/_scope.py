@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from ._records import Effect
+from .errors import FencedOut
 
 __all__ = [
     "Current",
@@ -75,9 +76,11 @@ class Current:
         effect_at: where its effect happens (``"mark"``, ``"http"``), if it says.
         marked: whether the attempt has passed its point of no return.
         sent: the digests of the requests the attempt sent through a twiceshy transport.
+        closed: the attempt has ended; a thread or task it left behind may no longer start
+            its effect.
     """
 
-    __slots__ = ("confirm", "effect", "effect_at", "key", "marked", "sent", "tool")
+    __slots__ = ("closed", "confirm", "effect", "effect_at", "key", "marked", "sent", "tool")
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class Current:
         self.confirm = confirm
         self.marked = False
         self.sent: set[str] = set()
+        self.closed = False
 
 
 _call: contextvars.ContextVar[Current | None] = contextvars.ContextVar(
@@ -221,12 +225,17 @@ def point_of_no_return() -> None:
     Outside a protected call it does nothing.
 
     Raises:
-        FencedOut: the call no longer holds its lease: its effect must not start.
+        FencedOut: the call no longer holds its lease, or its attempt has ended (this is a
+            thread it left behind): its effect must not start.
         StoreError: the lease could not be confirmed; the effect must not start.
     """
     call = _call.get()
     if call is None:
         return
+    if call.closed:
+        # A thread or task the attempt left behind (a timed-out tool's): the intent may have
+        # been run again since.
+        raise FencedOut(call.tool, call.key)
     if call.confirm is not None:
         call.confirm()
     call.marked = True
@@ -241,8 +250,11 @@ def set_call(call: Current) -> CallTokens:
 
 
 def reset_call(tokens: CallTokens) -> None:
-    """Undo :func:`set_call` (for drivers)."""
+    """Undo :func:`set_call`, the attempt having ended (for drivers)."""
     call, scope = tokens
+    current = _call.get()
+    if current is not None:
+        current.closed = True
     _scope.reset(scope)
     _call.reset(call)
 

@@ -194,6 +194,8 @@ class InProgress(TwiceshyError):
         lapses_at: when the current claim's lease lapses (the same clock), if known.
         effect: the tool's effect class (its value: ``"keyed"``...), if known.
         here: the identical call is running in this process.
+        resumed: the intent was claimed again since it was first started (a lapsed lease taken
+            over, a released or unknown intent run again).
     """
 
     def __init__(
@@ -205,6 +207,7 @@ class InProgress(TwiceshyError):
         lapses_at: float | None = None,
         effect: str = "",
         here: bool = False,
+        resumed: bool = False,
     ) -> None:
         self.tool = tool
         self.key = key
@@ -212,6 +215,7 @@ class InProgress(TwiceshyError):
         self.lapses_at = lapses_at
         self.effect = effect
         self.here = here
+        self.resumed = resumed
         reference = f"(reference {key[:16]})"
         if here or started_at is None:
             super().__init__(
@@ -220,6 +224,7 @@ class InProgress(TwiceshyError):
                 f"action is under way {reference}."
             )
             return
+        again = ", was taken up again since," if resumed else ""
         then = ""
         if lapses_at is not None:
             after = {
@@ -229,8 +234,8 @@ class InProgress(TwiceshyError):
             }.get(effect, "the next identical call runs it again")
             then = f" If it records none by {_when(lapses_at)}, {after}."
         super().__init__(
-            f"An identical call of the tool {tool!r} started at {_when(started_at)} and has not "
-            "recorded an outcome: it may still be running, or the process running it may have "
+            f"An identical call of the tool {tool!r} started at {_when(started_at)}{again} and has "
+            "not recorded an outcome: it may still be running, or the process running it may have "
             f"stopped. This call did not start it a second time.{then} Tell the user the "
             f"action may be under way and has not been confirmed {reference}."
         )

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import httpx2
-import openai
 import pytest
+from loopback import JSONHandler, openai_client, serve
 
 import twiceshy
 from twiceshy.integrations import httpx as tx
@@ -34,18 +32,7 @@ class Provider:
 def provider() -> Iterator[tuple[Provider, str]]:
     state = Provider()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             with state.lock:
                 state.seen.append(("GET", self.path, self.headers.get("Idempotency-Key")))
@@ -67,15 +54,8 @@ def provider() -> Iterator[tuple[Provider, str]]:
                 state.charges[key or f"anon-{len(state.seen)}"] = charge
             self._answer(200, charge)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve(Handler) as base:
+        yield state, base
 
 
 def test_keyed_call_sends_one_header_per_request_content(provider: tuple[Provider, str]) -> None:
@@ -161,14 +141,6 @@ def test_async_transport(provider: tuple[Provider, str]) -> None:
     assert len(state.charges) == 1
 
 
-def _openai_client(base: str) -> openai.OpenAI:
-    """The OpenAI SDK on httpx2 with twiceshy's transport, retrying twice, at the double."""
-    http_client = httpx2.Client(transport=tx2.IdempotencyKeyTransport())
-    return openai.OpenAI(
-        base_url=f"{base}/v1", api_key="test", http_client=http_client, max_retries=2
-    )
-
-
 def _posted_keys(state: Provider) -> list[str]:
     """The Idempotency-Key of each of the two POSTs the double saw (a try and its retry)."""
     posts = [k for method, _, k in state.seen if method == "POST"]
@@ -182,7 +154,7 @@ def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]
     state, base = provider
     state.fail_first = 1  # the SDK retries the first request
     ledger = twiceshy.Ledger("memory://")
-    client = _openai_client(base)
+    client = openai_client(base, max_retries=2)
 
     @ledger.tool(effect=twiceshy.KEYED)
     def create(name: str) -> str:
@@ -206,7 +178,7 @@ def test_sdk_retry_of_a_multipart_upload_carries_the_same_header(
     state, base = provider
     state.fail_first = 1  # the SDK retries the first request
     ledger = twiceshy.Ledger("memory://")
-    client = _openai_client(base)
+    client = openai_client(base, max_retries=2)
 
     @ledger.tool(effect=twiceshy.KEYED)
     def upload(text: str) -> str:

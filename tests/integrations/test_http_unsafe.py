@@ -8,17 +8,17 @@ answer before the client's timeout. Real clients (openai on httpx2, httpx, httpx
 from __future__ import annotations
 
 import asyncio
-import json
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import httpx2
 import openai
 import pytest
+from loopback import JSONHandler, openai_client, serve
 
 import twiceshy
 from twiceshy.integrations import httpx as tx
@@ -42,18 +42,7 @@ class Provider:
 def provider() -> Iterator[tuple[Provider, str]]:
     state = Provider()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             with state.lock:
                 state.requests.append(("GET", self.path, self.headers.get("Idempotency-Key")))
@@ -90,16 +79,11 @@ def provider() -> Iterator[tuple[Provider, str]]:
 
         do_POST = do_PUT = _change
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        state.hold.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve(Handler) as base:
+        try:
+            yield state, base
+        finally:
+            state.hold.set()  # a stalled answer ends before the server shuts down
 
 
 def _chain(error: BaseException | None) -> list[BaseException]:
@@ -128,12 +112,7 @@ def test_openai_sdk_retry_inside_an_unsafe_tool_is_refused(
     state, base = provider
     state.lose, state.how = 1, how
     ledger = twiceshy.Ledger("memory://")
-    client = openai.OpenAI(
-        base_url=f"{base}/v1",
-        api_key="x",
-        http_client=httpx2.Client(transport=tx2.IdempotencyKeyTransport()),
-        timeout=0.5 if how == "stall" else 10,  # the SDK's default max_retries=2 stays
-    )
+    client = openai_client(base, timeout=0.5 if how == "stall" else 10)  # default max_retries=2
     raised: list[BaseException] = []
 
     @ledger.tool(effect=twiceshy.UNSAFE)
@@ -289,11 +268,7 @@ def test_unsafe_request_with_its_own_key_may_be_repeated(provider: tuple[Provide
     state, base = provider
     state.lose = 1
     ledger = twiceshy.Ledger("memory://")
-    client = openai.OpenAI(
-        base_url=f"{base}/v1",
-        api_key="x",
-        http_client=httpx2.Client(transport=tx2.IdempotencyKeyTransport()),
-    )
+    client = openai_client(base)
 
     @ledger.tool(effect=twiceshy.UNSAFE)
     def summarise(text: str) -> str:
@@ -351,11 +326,7 @@ def test_sdk_retry_of_an_unsafe_upload_is_refused(provider: tuple[Provider, str]
     state, base = provider
     state.lose = 1
     ledger = twiceshy.Ledger("memory://")
-    client = openai.OpenAI(
-        base_url=f"{base}/v1",
-        api_key="x",
-        http_client=httpx2.Client(transport=tx2.IdempotencyKeyTransport()),
-    )
+    client = openai_client(base)
 
     @ledger.tool(effect=twiceshy.UNSAFE)
     def upload(text: str) -> str:
@@ -503,3 +474,42 @@ def test_effect_at_http_lost_lease_stops_the_request(provider: tuple[Provider, s
     assert text.startswith("An identical call of the tool 'send_mail' started at ")
     assert "This call did not start it a second time." in text
     assert "try again" not in text.lower()
+
+
+def test_a_request_from_a_thread_left_behind_by_an_unsafe_attempt_is_refused(
+    provider: tuple[Provider, str],
+) -> None:
+    """An UNSAFE tool gave up on a worker (its own timeout) before any request; the intent was
+    released and run again. The worker's late POST never leaves: FencedOut, one effect."""
+    state, base = provider
+    ledger = twiceshy.Ledger("memory://")
+    client = httpx2.Client(transport=tx2.IdempotencyKeyTransport())
+    go = threading.Event()
+    refused: list[BaseException] = []
+    workers: list[threading.Thread] = []
+
+    def late(body: str) -> None:
+        go.wait(5)
+        try:
+            client.post(f"{base}/v1/charges", content=body)
+        except twiceshy.FencedOut as exc:
+            refused.append(exc)
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def charge(order: str) -> str:
+        if not workers:
+            worker = threading.Thread(target=contextvars.copy_context().run, args=(late, order))
+            workers.append(worker)
+            worker.start()
+            raise twiceshy.NotApplied("the worker did not start in time")
+        return client.post(f"{base}/v1/charges", content=order).json()["id"]
+
+    with twiceshy.run("run-u9"):
+        with pytest.raises(twiceshy.NotApplied):
+            charge("o-1")
+        assert charge("o-1") == "ch_1"
+    go.set()
+    workers[0].join(5)
+    client.close()
+    assert len(refused) == 1
+    assert state.effects == ["o-1"]

@@ -57,6 +57,32 @@ def no_retry_words(text: str) -> None:
     assert "Please fix" not in text  # ToolNode's words
 
 
+def recalled(
+    ledger: twiceshy.Ledger,
+    tool: Any,
+    effect: twiceshy.Effect | twiceshy.Guard,
+    args: dict[str, Any],
+    *call_ids: str,
+    thread_id: str = "t",
+    spy: Spy | None = None,
+) -> ScriptedModel:
+    """Run an agent whose model calls ``tool`` with ``args`` once per call id, each after the
+    last answer, under ToolRetryMiddleware (two retries), then ``spy``, then twiceshy; the model
+    keeps what it read."""
+    model = ScriptedModel(
+        responses=[*(calls((tool.name, args, call_id)) for call_id in call_ids), AIMessage("?")]
+    )
+    inner = [] if spy is None else [spy]
+    agent = create_agent(
+        model=model,
+        tools=[tool],
+        middleware=[retries(2), *inner, TwiceshyMiddleware(ledger, {tool.name: effect})],
+        checkpointer=InMemorySaver(),
+    )
+    agent.invoke({"messages": [HumanMessage("go")]}, thread(thread_id))
+    return model
+
+
 # -- 1. the arguments the tool receives -----------------------------------------------------
 
 
@@ -172,6 +198,77 @@ def test_a_default_made_anew_each_call_is_no_part_of_the_intent(ledger: twiceshy
     ]
     assert len(shipped) == 1
     assert [a.content for a in answers] == ["shipped p-1"] * 3
+
+
+class Line(BaseModel):
+    sku: str
+    line_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    gifts: list[str] = Field(default_factory=list)
+
+
+def test_a_factory_default_inside_a_nested_model_is_no_part_of_the_intent(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A fresh line id a factory made in a nested model: the model's re-call places no 2nd order."""
+    placed: list[str] = []
+
+    @tool
+    def place_order(lines: list[Line]) -> str:
+        """Place an order; the shop's answer is lost after it took the order."""
+        placed.extend(line.sku for line in lines)
+        raise TimeoutError("the shop did not answer in time")
+
+    model = ScriptedModel(
+        responses=[
+            calls(("place_order", {"lines": [{"sku": "A"}]}, "o1")),
+            calls(("place_order", {"lines": [{"sku": "A"}]}, "o2")),
+            calls(("place_order", {"lines": [{"sku": "A", "gifts": []}]}, "o3")),  # always equal
+            AIMessage("?"),
+        ]
+    )
+    agent = create_agent(
+        model=model,
+        tools=[place_order],
+        middleware=[TwiceshyMiddleware(ledger, {"place_order": twiceshy.UNSAFE})],
+        checkpointer=InMemorySaver(),
+    )
+    agent.invoke({"messages": [HumanMessage("order A")]}, thread("factory-1"))
+
+    assert placed == ["A"]
+    for request, call_id in ((2, "o2"), (3, "o3")):
+        text = str(model.tool_answer(request, call_id).content)
+        assert text.startswith(
+            "The tool 'place_order' was started but its outcome is unknown (TimeoutError: the "
+            "shop did not answer in time): it may or may not have taken effect. It will not be "
+            "run again"
+        )
+        no_retry_words(text)
+
+
+def test_a_coarse_clock_factory_is_no_part_of_the_intent(ledger: twiceshy.Ledger) -> None:
+    """A seconds clock from the schema's factory: a re-call a second later sends no second SMS."""
+    clock = ["2026-07-28T10:00:00Z"]  # equal on every reading until the second passes
+    sent: list[str] = []
+
+    class Sms(BaseModel):
+        text: str
+        sent_at: str = Field(default_factory=lambda: clock[0])
+
+    def send_sms(text: str, sent_at: str) -> str:
+        sent.append(text)
+        clock[0] = "2026-07-28T10:00:01Z"  # the gateway took a second, then its answer was lost
+        raise TimeoutError("the SMS gateway did not answer in time")
+
+    sms = StructuredTool.from_function(send_sms, description="Send an SMS.", args_schema=Sms)
+    model = recalled(ledger, sms, twiceshy.UNSAFE, {"text": "hi"}, "s1", "s2", thread_id="clock")
+
+    assert sent == ["hi"]
+    text = str(model.tool_answer(2, "s2").content)
+    assert text.startswith(
+        "The tool 'send_sms' was started but its outcome is unknown (TimeoutError: the SMS "
+        "gateway did not answer in time): it may or may not have taken effect."
+    )
+    no_retry_words(text)
 
 
 def test_a_value_with_no_canonical_form_is_keyed_as_the_model_sent_it(
@@ -323,6 +420,56 @@ def test_a_sub_agent_in_an_async_tool_inherits_the_outer_intent(ledger: twiceshy
     assert charges == [900, 900]
 
 
+def test_a_safe_tool_names_its_sub_agents_scope_by_what_it_receives(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A SAFE tool re-called with "7" then 7: one outer intent, its sub-agent charges once."""
+    charges: list[int] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge the card on file."""
+        charges.append(amount)
+        return f"charge {len(charges)}"
+
+    inner = TwiceshyMiddleware(ledger, {"charge": twiceshy.UNSAFE})
+    runs: list[int] = []
+
+    @tool
+    def settle(order: int) -> str:
+        """Settle an order through the billing sub-agent; the first answer is lost."""
+        runs.append(order)
+        model = ScriptedModel(responses=[calls(("charge", {"amount": 900}, "c")), AIMessage("ok")])
+        billing = create_agent(model=model, tools=[charge], middleware=[inner])
+        out = billing.invoke({"messages": [HumanMessage(f"bill {order}")]})
+        if len(runs) == 1:
+            raise TimeoutError("read timed out")
+        return f"{order}: {out['messages'][2].content}"
+
+    outer = ledger.guard("settle", effect=twiceshy.SAFE, attempts=1)
+    model = ScriptedModel(
+        responses=[
+            calls(("settle", {"order": "7"}, "s1")),  # a number sent as text
+            calls(("settle", {"order": 7}, "s2")),  # the model's re-call, as a number
+            calls(("settle", {"order": 8}, "s3")),  # another outer intent
+            AIMessage("Settled."),
+        ]
+    )
+    agent = create_agent(
+        model=model,
+        tools=[settle],
+        middleware=[retries(0), TwiceshyMiddleware(ledger, {"settle": outer})],
+        checkpointer=InMemorySaver(),
+    )
+    agent.invoke({"messages": [HumanMessage("settle 7 and 8")]}, thread("safe-1"))
+
+    assert model.tool_answer(1, "s1").status == "error"  # the first answer was lost
+    assert runs == [7, 7, 8]  # SAFE: run again, as declared
+    assert charges == [900, 900]  # one charge per outer intent
+    assert model.tool_answer(2, "s2").content == "7: charge 1"
+    assert model.tool_answer(3, "s3").content == "8: charge 2"
+
+
 def test_a_subgraph_inside_a_tool_keys_its_calls_under_the_outer_call(
     ledger: twiceshy.Ledger,
 ) -> None:
@@ -391,24 +538,7 @@ def test_a_result_with_no_json_form_replays_the_text_the_model_read(
         return receipts[-1]
 
     spy = Spy()
-    model = ScriptedModel(
-        responses=[
-            calls(("issue_receipt", {"order": "o-1"}, "r1")),
-            calls(("issue_receipt", {"order": "o-1"}, "r2")),
-            AIMessage("Done."),
-        ]
-    )
-    agent = create_agent(
-        model=model,
-        tools=[issue_receipt],
-        middleware=[
-            retries(2),
-            spy,
-            TwiceshyMiddleware(ledger, {"issue_receipt": twiceshy.UNSAFE}),
-        ],
-        checkpointer=InMemorySaver(),
-    )
-    agent.invoke({"messages": [HumanMessage("receipt")]}, thread("t"))
+    model = recalled(ledger, issue_receipt, twiceshy.UNSAFE, {"order": "o-1"}, "r1", "r2", spy=spy)
 
     assert len(receipts) == 1
     assert spy.seen == ["r1", "r2"]
@@ -429,20 +559,7 @@ def test_a_result_too_large_to_keep_tells_the_retry_it_ran(ledger: twiceshy.Ledg
 
     guard = ledger.guard("export_ledger", effect=twiceshy.UNSAFE, max_result_bytes=200)
     spy = Spy()
-    model = ScriptedModel(
-        responses=[
-            calls(("export_ledger", {"rows": 500}, "e1")),
-            calls(("export_ledger", {"rows": 500}, "e2")),
-            AIMessage("Exported."),
-        ]
-    )
-    agent = create_agent(
-        model=model,
-        tools=[export_ledger],
-        middleware=[retries(2), spy, TwiceshyMiddleware(ledger, {"export_ledger": guard})],
-        checkpointer=InMemorySaver(),
-    )
-    agent.invoke({"messages": [HumanMessage("export")]}, thread("t"))
+    model = recalled(ledger, export_ledger, guard, {"rows": 500}, "e1", "e2", spy=spy)
 
     assert exports == [500]
     assert spy.seen == ["e1", "e2"]  # ToolRetryMiddleware reran nothing
@@ -485,20 +602,7 @@ def test_keyed_out_of_attempts_reads_twiceshy_words_through_tool_retry(
 
     spy = Spy()
     guard = ledger.guard("create_charge", effect=twiceshy.KEYED, backoff=no_backoff)
-    model = ScriptedModel(
-        responses=[
-            calls(("create_charge", CHARGE, "c1")),
-            calls(("create_charge", CHARGE, "c2")),
-            AIMessage("Charged."),
-        ]
-    )
-    agent = create_agent(
-        model=model,
-        tools=[create_charge],
-        middleware=[retries(2), spy, TwiceshyMiddleware(ledger, {"create_charge": guard})],
-        checkpointer=InMemorySaver(),
-    )
-    agent.invoke({"messages": [HumanMessage("charge")]}, thread("keyed-1"))
+    model = recalled(ledger, create_charge, guard, CHARGE, "c1", "c2", thread_id="keyed-1", spy=spy)
 
     key = twiceshy.idempotency_key("keyed-1", "create_charge", CHARGE)
     assert spy.seen == ["c1", "c2"]  # ToolRetryMiddleware did not rerun the answered call
@@ -562,16 +666,7 @@ def test_an_unknown_outcome_names_no_private_class(ledger: twiceshy.Ledger) -> N
         wires.append(amount)
         raise _AttemptTimedOut(LONG)
 
-    model = ScriptedModel(
-        responses=[calls(("wire", WIRE, "w1")), calls(("wire", WIRE, "w2")), AIMessage("?")]
-    )
-    agent = create_agent(
-        model=model,
-        tools=[wire],
-        middleware=[retries(2), TwiceshyMiddleware(ledger, {"wire": twiceshy.UNSAFE})],
-        checkpointer=InMemorySaver(),
-    )
-    agent.invoke({"messages": [HumanMessage("wire")]}, thread("t"))
+    model = recalled(ledger, wire, twiceshy.UNSAFE, WIRE, "w1", "w2")
 
     assert wires == [500]
     for request, call_id in ((1, "w1"), (2, "w2")):
@@ -775,16 +870,7 @@ def test_an_error_after_the_point_of_no_return_is_an_unknown_outcome(
         wires.append(amount)
         raise TimeoutError("read timed out")
 
-    model = ScriptedModel(
-        responses=[calls(("wire", WIRE, "w1")), calls(("wire", WIRE, "w2")), AIMessage("?")]
-    )
-    agent = create_agent(
-        model=model,
-        tools=[wire],
-        middleware=[retries(2), TwiceshyMiddleware(ledger, {"wire": twiceshy.UNSAFE})],
-        checkpointer=InMemorySaver(),
-    )
-    agent.invoke({"messages": [HumanMessage("wire")]}, thread("mark-2"))
+    model = recalled(ledger, wire, twiceshy.UNSAFE, WIRE, "w1", "w2", thread_id="mark-2")
 
     assert wires == [500]
     assert "outcome is unknown" in str(model.tool_answer(2, "w2").content)

@@ -12,13 +12,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import fastmcp
 import mcp
 import pytest
 from mcp.server.mcpserver import MCPServer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic_ai import Agent
 from pydantic_ai.messages import (
     ModelMessage,
@@ -55,6 +55,15 @@ class Answer:
     text: str
     content: list[dict[str, Any]]
     structured: Any
+
+    @classmethod
+    def read(cls, result: Any) -> Answer:
+        """What the client read of a ``CallToolResult`` (the SDK's or FastMCP's)."""
+        content = [
+            b.model_dump(mode="json", by_alias=True, exclude_none=True) for b in result.content
+        ]
+        text = "\n".join(getattr(b, "text", "") for b in result.content)
+        return cls(result.is_error, text, content, result.structured_content)
 
 
 def flat(text: str) -> str:
@@ -99,12 +108,7 @@ class SDK(Served):
         async with mcp.Client(self.server) as client:
             for name, args, scope in calls:
                 result = await client.call_tool(name, args, meta={SCOPE_META_KEY: scope})
-                content = [
-                    b.model_dump(mode="json", by_alias=True, exclude_none=True)
-                    for b in result.content
-                ]
-                text = "\n".join(getattr(b, "text", "") for b in result.content)
-                answers.append(Answer(result.is_error, text, content, result.structured_content))
+                answers.append(Answer.read(result))
         return answers
 
 
@@ -129,12 +133,7 @@ class Fast(Served):
                 result = await client.call_tool(
                     name, args, meta={SCOPE_META_KEY: scope}, raise_on_error=False
                 )
-                content = [
-                    b.model_dump(mode="json", by_alias=True, exclude_none=True)
-                    for b in result.content
-                ]
-                text = "\n".join(getattr(b, "text", "") for b in result.content)
-                answers.append(Answer(result.is_error, text, content, result.structured_content))
+                answers.append(Answer.read(result))
         return answers
 
 
@@ -258,6 +257,87 @@ def test_arguments_the_server_refuses_run_nothing(served: Served, ledger: twices
         assert "outcome is unknown" not in refused.text
     assert good.text == "charge 1: 5"
     assert len(provider.keys_seen) == 1
+
+
+class Sender(BaseModel):
+    """A nested model with a trace id its factory makes anew."""
+
+    name: str
+    trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def test_what_a_default_factory_made_is_no_part_of_the_intent(
+    served: Served, ledger: twiceshy.Ledger
+) -> None:
+    """A fresh request id and a nested trace id, made for what the client left out: one SMS."""
+    sent: list[str] = []
+
+    def send_sms(
+        text: str,
+        sender: Sender,
+        request_id: Annotated[str, Field(default_factory=lambda: uuid.uuid4().hex)],
+        tags: Annotated[list[str], Field(default_factory=list)],
+    ) -> str:
+        """Send an SMS; the gateway's answer is lost after it went."""
+        sent.append(text)
+        raise TimeoutError("the SMS gateway did not answer in time")
+
+    served.tool(send_sms)
+    served.protect(ledger, {"send_sms": twiceshy.UNSAFE})
+    sms = {"text": "hi", "sender": {"name": "shop"}}
+    answers = run(
+        lambda: served.calls(
+            ("send_sms", sms, "run-1"),
+            ("send_sms", sms, "run-1"),
+            ("send_sms", {**sms, "tags": []}, "run-1"),  # a factory default that is always equal
+        )
+    )
+    for answer in answers:
+        text = flat(answer.text)
+        assert answer.is_error
+        # FastMCP names the tool's own error; the SDK gives only its "Error executing tool".
+        assert text.startswith("The tool 'send_sms' was started but its outcome is unknown (")
+        assert (
+            "): it may or may not have taken effect. It will not be run again for these arguments"
+        ) in text
+        assert_honest_words(text)
+    assert sent == ["hi"]
+    assert len(ledger.store.records("")) == 1
+
+
+def test_a_validation_error_the_fastmcp_tool_raises_itself_is_its_own(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """FastMCP's ValidationError raised by a tool after its refund is no refusal: one refund."""
+    served = Fast()
+    refunds: list[str] = []
+
+    def refund(order: str, amount: int) -> str:
+        """Refund an order; the receipt lookup after it fails with FastMCP's own error."""
+        refunds.append(order)
+        raise fastmcp.exceptions.ValidationError("no receipt found after the refund")
+
+    served.tool(refund)
+    served.protect(ledger, {"refund": twiceshy.UNSAFE})
+    refused, lost, again = run(
+        lambda: served.calls(
+            ("refund", {"order": "o-1", "amount": "ten"}, "run-1"),  # FastMCP refuses it
+            ("refund", {"order": "o-1", "amount": 10}, "run-1"),
+            ("refund", {"order": "o-1", "amount": "10"}, "run-1"),  # the same intent
+        )
+    )
+    assert refunds == ["o-1"]
+    assert refused.is_error
+    assert "outcome is unknown" not in refused.text
+    for answer in (lost, again):
+        text = flat(answer.text)
+        assert answer.is_error
+        assert text.startswith(
+            "The tool 'refund' was started but its outcome is unknown (ValidationError: no "
+            "receipt found after the refund): it may or may not have taken effect. It will not "
+            "be run again for these arguments"
+        )
+        assert_honest_words(text)
 
 
 # -- 2. a nested agent run inherits the scope of the MCP call ----------------------------------

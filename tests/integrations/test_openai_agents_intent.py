@@ -13,16 +13,21 @@ import asyncio
 import datetime as dt
 import enum
 import json
-import socket
-from collections.abc import Callable, Iterator
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from agents import Agent, FunctionTool, RunConfig, Runner, function_tool, set_tracing_disabled
+from agents import Agent, FunctionTool, RunConfig, Runner, function_tool
 from agents.testing import ScriptedModel, assistant_message, function_call
 from agents.tool_context import ToolContext
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, Field, model_validator
+from test_openai_agents import ledger as ledger  # fixtures: the aliases keep them exported
+from test_openai_agents import offline as offline  # autouse: no network, no tracing
+from test_openai_agents import script
 
 import twiceshy
 from twiceshy.integrations.openai_agents import protect
@@ -64,6 +69,28 @@ class Booking(BaseModel):
     at: dt.datetime
 
 
+def _fresh_id() -> str:
+    """A default factory making a new value on every call."""
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    """A nested model with a field a factory makes anew, and one a pure factory makes."""
+
+    body: str
+    trace: str = Field(default_factory=_fresh_id)
+    tags: list[str] = Field(default_factory=list)
+
+
+@dataclass
+class Note:
+    """The same as a dataclass."""
+
+    body: str
+    trace: str = field(default_factory=_fresh_id)
+    tags: list[str] = field(default_factory=list)
+
+
 class Handle:
     """A result with no JSON form (a client object): the SDK shows the model its ``str()``."""
 
@@ -75,30 +102,6 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<Handle {self.name}>"
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No tracing export, and any attempt to open a network connection fails the test."""
-    set_tracing_disabled(True)
-
-    def refuse(self: socket.socket, address: object) -> None:
-        raise AssertionError(f"a test tried to connect to {address!r}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-
-
-@pytest.fixture
-def ledger() -> Iterator[twiceshy.Ledger]:
-    """An in-memory ledger."""
-    with twiceshy.Ledger("memory://") as opened:
-        yield opened
-
-
-def script(*turns: list[Any], final: str = "done") -> ScriptedModel:
-    """A scripted model: the given turns, then a final text answer."""
-    return ScriptedModel([*turns, [assistant_message(final)]])
 
 
 def call(name: str, args: dict[str, Any] | str, call_id: str) -> list[Any]:
@@ -310,6 +313,62 @@ def test_a_naive_time_names_no_instant_and_nothing_runs(ledger: twiceshy.Ledger)
     assert booked == [dt.datetime(2025, 3, 1, 10, tzinfo=dt.UTC)]
 
 
+def test_an_argument_a_default_factory_makes_names_no_intent(ledger: twiceshy.Ledger) -> None:
+    """A parameter the SDK fills from a default_factory is left out of the key: one effect."""
+    sent: list[tuple[str, str]] = []
+
+    @function_tool
+    def send_sms(text: str, request_id: Annotated[str, Field(default_factory=_fresh_id)]) -> str:
+        """Text the customer; the answer is lost."""
+        sent.append((text, request_id))
+        raise TimeoutError("read timed out")
+
+    tools = protect([send_sms], ledger, effects={"send_sms": twiceshy.UNSAFE})
+    model = script(
+        call("send_sms", {"text": "hi"}, "call_1"), call("send_sms", {"text": "hi"}, "call_2")
+    )
+
+    run(Agent(name="support", model=model, tools=tools))
+
+    assert [text for text, _ in sent] == ["hi"]
+    key = twiceshy.idempotency_key("conv-1", "send_sms", {"text": "hi"})
+    read = outputs(model)
+    assert read["call_2"] == read["call_1"]
+    assert "it may or may not have taken effect" in flat(read["call_1"])
+    assert f"reference {key[:16]}" in read["call_2"]
+
+
+@pytest.mark.parametrize("kind", [Message, Note], ids=["model", "dataclass"])
+def test_a_nested_field_a_default_factory_makes_names_no_intent(
+    ledger: twiceshy.Ledger, kind: type[Message] | type[Note]
+) -> None:
+    """A nested factory field left out is out of the key; a list factory's [] sent or not: one."""
+    sent: list[tuple[str, Message | Note]] = []
+
+    def send(to: str, message: Any) -> str:
+        sent.append((to, message))
+        raise TimeoutError("read timed out")
+
+    send.__doc__ = "Send a message; the answer is lost."
+    send.__annotations__ = {"to": "str", "message": kind, "return": "str"}
+    tools = protect([function_tool(send)], ledger, effects={"send": twiceshy.UNSAFE})
+    model = script(
+        call("send", {"to": "cus_1", "message": {"body": "hi"}}, "call_1"),
+        call("send", {"to": "cus_1", "message": {"body": "hi", "tags": []}}, "call_2"),
+    )
+
+    run(Agent(name="support", model=model, tools=tools))
+
+    assert len(sent) == 1
+    assert isinstance(sent[0][1], kind)
+    key = twiceshy.idempotency_key(
+        "conv-1", "send", {"to": "cus_1", "message": {"body": "hi", "tags": []}}
+    )
+    read = outputs(model)
+    assert read["call_2"] == read["call_1"]
+    assert f"reference {key[:16]}" in read["call_2"]
+
+
 # --- 2. Nested runs --------------------------------------------------------------------------
 
 
@@ -400,6 +459,38 @@ def test_two_outer_intents_never_share_an_inner_intent(ledger: twiceshy.Ledger) 
         )
         for outer in (first, second)
     ]
+
+
+def test_a_delegate_declared_safe_gives_its_sub_agent_the_outer_intent(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A SAFE as_tool: two outer intents charge twice; the first one called again, not again."""
+    card = Card()
+    billing, inner_model = billing_agent(ledger, card, runs=3)
+    tools = protect(
+        [billing.as_tool("delegate", "Ask billing.")], ledger, effects={"delegate": twiceshy.SAFE}
+    )
+    first, second = {"input": "order 1: charge 4900"}, {"input": "order 2: charge 4900"}
+    model = script(
+        call("delegate", first, "call_1"),
+        call("delegate", second, "call_2"),
+        call("delegate", first, "call_3"),
+    )
+
+    run(Agent(name="front", model=model, tools=tools))
+
+    inner_model.assert_complete()
+    assert card.charges == [
+        (
+            4900,
+            twiceshy.idempotency_key(
+                twiceshy.idempotency_key("conv-1", "delegate", outer), "charge", {"amount": 4900}
+            ),
+        )
+        for outer in (first, second)
+    ]
+    # The sub-agent run again for the first order read the first charge.
+    assert outputs(inner_model) == {"inner_1": "ch_1", "inner_2": "ch_2", "inner_3": "ch_1"}
 
 
 def _from_context(ctx: ToolContext[Any]) -> str | None:
@@ -663,3 +754,57 @@ def test_an_error_after_the_point_of_no_return_is_an_unknown_outcome(
     assert read["call_2"] == read["call_1"]
     assert_never_invites_a_retry(text)
     assert wired == [100]
+
+
+def test_a_thread_left_by_a_timed_out_tool_cannot_start_its_effect(
+    ledger: twiceshy.Ledger,
+) -> None:
+    """A timed-out tool's thread reaching point_of_no_return() after the re-call: FencedOut."""
+    wired: list[int] = []
+    fenced: list[twiceshy.FencedOut] = []
+    rerun = threading.Event()  # the re-call took effect
+    orphan_done = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def blocking_wire(amount: int) -> str:
+        first = not threads
+        threads.append(threading.current_thread())
+        if first:
+            # A slow blocking client: still building the request when the SDK stops waiting.
+            rerun.wait(timeout=10)
+        try:
+            twiceshy.point_of_no_return()
+        except twiceshy.FencedOut as exc:
+            fenced.append(exc)
+            raise
+        finally:
+            if first:
+                orphan_done.set()
+        wired.append(amount)
+        rerun.set()
+        return f"wired {amount}"
+
+    @function_tool(timeout=0.5)
+    async def wire(amount: int) -> str:
+        """Wire money through a blocking client, in a thread."""
+        return await asyncio.to_thread(blocking_wire, amount)
+
+    guard = ledger.guard("wire", effect=twiceshy.UNSAFE, effect_at="mark")
+    tools = protect([wire], ledger, effects={"wire": guard})
+    model = script(call("wire", {"amount": 100}, "call_1"), call("wire", {"amount": 100}, "call_2"))
+    config = RunConfig(group_id="conv-1", tracing_disabled=True)
+
+    async def main() -> None:
+        await Runner.run(Agent(name="treasury", model=model, tools=tools), "go", run_config=config)
+        assert await asyncio.to_thread(orphan_done.wait, 10)
+
+    asyncio.run(main())
+
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+    read = outputs(model)
+    # Nothing happened before the mark: the SDK's own timeout text answers, and the re-call runs.
+    assert read["call_1"] == "Tool 'wire' timed out after 0.5 seconds."
+    assert read["call_2"] == "wired 100"
+    assert wired == [100]
+    assert len(fenced) == 1

@@ -11,105 +11,32 @@ import asyncio
 import datetime as dt
 import enum
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic_ai import Agent, ModelRetry, RunContext, ToolFailed
 from pydantic_ai.messages import (
     BinaryContent,
     ModelMessage,
-    ModelRequest,
     ModelResponse,
     TextPart,
-    ToolCallPart,
     ToolReturn,
     ToolReturnPart,
-    UserPromptPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+from test_pydantic_ai import CHARGE, Provider, Script, assert_no_retry_words, call, done
+from test_pydantic_ai import ledger as ledger  # a fixture: the alias keeps it exported
 
 import twiceshy
 from twiceshy import KEYED, SAFE, UNSAFE, Effect, Ledger, ResultNotStorable, State
 from twiceshy.integrations.pydantic_ai import TwiceshyCapability
 
-CHARGE = {"amount": 4900, "customer": "cus_1"}
-
-
-# -- doubles -------------------------------------------------------------------------------
-
-
-class Script:
-    """A scripted model: its n-th request gets the n-th answer; it keeps every request.
-
-    An answer that is an exception is raised instead (the model's API failing).
-    """
-
-    def __init__(self, *answers: ModelResponse | Exception) -> None:
-        self._answers = list(answers)
-        self.requests: list[list[ModelMessage]] = []
-
-    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        self.requests.append(list(messages))
-        if len(self.requests) > len(self._answers):
-            raise AssertionError("the model was asked more often than scripted")
-        answer = self._answers[len(self.requests) - 1]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    def results(self, request: int) -> list[ToolReturnPart]:
-        """The tool results the model received in its ``request``-th request (from 1)."""
-        return [part for part in self._last(request).parts if isinstance(part, ToolReturnPart)]
-
-    def prompts(self, request: int) -> list[Any]:
-        """The user content that came with the tool results of the ``request``-th request."""
-        parts = self._last(request).parts
-        return [part.content for part in parts if isinstance(part, UserPromptPart)]
-
-    def _last(self, request: int) -> ModelRequest:
-        last = self.requests[request - 1][-1]
-        assert isinstance(last, ModelRequest)
-        return last
-
-
-def call(tool: str, args: dict[str, Any] | str, *ids: str) -> ModelResponse:
-    """A model response calling ``tool`` with ``args`` (a mapping, or JSON text), once per id."""
-    return ModelResponse(
-        parts=[
-            ToolCallPart(tool, args if isinstance(args, str) else dict(args), tool_call_id=i)
-            for i in ids
-        ]
-    )
-
-
-def done() -> ModelResponse:
-    """The model's final answer."""
-    return ModelResponse(parts=[TextPart("done")])
-
-
-class Provider:
-    """A payment provider double: deduplicates charges by idempotency key; counts effects."""
-
-    def __init__(self) -> None:
-        self.keys: list[str | None] = []
-        self.charges: dict[str, str] = {}
-        self.effects = 0
-
-    def charge(self, key: str | None) -> str:
-        """Charge once per key; a repeated key answers the first charge's id."""
-        self.keys.append(key)
-        if key is not None and key in self.charges:
-            return self.charges[key]
-        self.effects += 1
-        charge_id = f"ch_{self.effects}"
-        if key is not None:
-            self.charges[key] = charge_id
-        return charge_id
+# -- doubles (Script, Provider and the ledger fixture are test_pydantic_ai.py's) -----------
 
 
 def text_of(result: ToolReturnPart) -> str:
@@ -117,18 +44,14 @@ def text_of(result: ToolReturnPart) -> str:
     return " ".join(result.model_response_str().split())
 
 
-def assert_no_retry_words(text: str) -> None:
-    """No invitation to a blind retry, no internal names."""
-    assert "try again" not in text.lower()
-    for internal in ("ToolRetryError", "ModelRetry", "Retry", "CancelledError", "_Wrapped"):
-        assert internal not in text
-
-
-@pytest.fixture
-def ledger() -> Iterator[Ledger]:
-    """An in-memory ledger."""
-    with Ledger("memory://") as opened:
-        yield opened
+def twice(
+    ledger: Ledger, tool: str, args: dict[str, Any], effect: Effect | twiceshy.Guard
+) -> tuple[Script, Agent[None, str]]:
+    """A model calling ``tool`` with ``args`` twice (ids c1, c2), then done, and its agent, which
+    protects ``tool`` as ``effect``; the test adds the tool."""
+    script = Script(call(tool, args, "c1"), call(tool, args, "c2"), done())
+    agent = Agent(FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {tool: effect})])
+    return script, agent
 
 
 # -- 1. the intent is what the tool receives -----------------------------------------------
@@ -273,6 +196,85 @@ def test_the_key_is_made_from_the_arguments_the_tool_receives(ledger: Ledger) ->
     assert snap.record.state is State.SUCCEEDED
 
 
+def _fresh_id() -> str:
+    """A default factory making a new value on every call."""
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    """A nested model with a field a factory makes anew, and one a pure factory makes."""
+
+    body: str
+    trace: str = Field(default_factory=_fresh_id)
+    tags: list[str] = Field(default_factory=list)
+
+
+@dataclass
+class Note:
+    """The same as a dataclass."""
+
+    body: str
+    trace: str = field(default_factory=_fresh_id)
+    tags: list[str] = field(default_factory=list)
+
+
+def test_an_argument_a_default_factory_makes_names_no_intent(ledger: Ledger) -> None:
+    """A parameter Pydantic AI fills from a default_factory is left out of the key: one effect."""
+    sent: list[tuple[str, str]] = []
+    script, agent = twice(ledger, "send_sms", {"text": "hi"}, UNSAFE)
+
+    @agent.tool_plain
+    def send_sms(text: str, request_id: Annotated[str, Field(default_factory=_fresh_id)]) -> str:
+        sent.append((text, request_id))
+        raise TimeoutError("the gateway did not answer")
+
+    agent.run_sync("text the customer", run_id="run-1")
+
+    assert [text for text, _ in sent] == ["hi"]
+    key = twiceshy.idempotency_key("run-1", "send_sms", {"text": "hi"})
+    (first,) = script.results(2)
+    (second,) = script.results(3)
+    assert text_of(second) == text_of(first)
+    assert "outcome is unknown (TimeoutError: the gateway did not answer)" in text_of(first)
+    assert f"reference {key[:16]}" in text_of(second)
+    assert_no_retry_words(text_of(first))
+
+
+@pytest.mark.parametrize("kind", [Message, Note], ids=["model", "dataclass"])
+def test_a_nested_field_a_default_factory_makes_names_no_intent(
+    ledger: Ledger, kind: type[Message] | type[Note]
+) -> None:
+    """A nested factory field left out is out of the key; a list factory's [] sent or not: one."""
+    sent: list[tuple[str, Message | Note]] = []
+    script = Script(
+        call("send", {"to": "cus_1", "message": {"body": "hi"}}, "c1"),
+        call("send", {"to": "cus_1", "message": {"body": "hi", "tags": []}}, "c2"),
+        done(),
+    )
+    agent = Agent(
+        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"send": UNSAFE})]
+    )
+
+    def send(to: str, message: Any) -> str:
+        sent.append((to, message))
+        raise TimeoutError("the gateway did not answer")
+
+    send.__annotations__ = {"to": str, "message": kind, "return": str}
+    agent.tool_plain(send)
+
+    agent.run_sync("send it", run_id="run-1")
+
+    assert len(sent) == 1
+    assert isinstance(sent[0][1], kind)
+    key = twiceshy.idempotency_key(
+        "run-1", "send", {"to": "cus_1", "message": {"body": "hi", "tags": []}}
+    )
+    (first,) = script.results(2)
+    (second,) = script.results(3)
+    assert text_of(second) == text_of(first)
+    assert f"reference {key[:16]}" in text_of(second)
+
+
 # -- 2. nested runs: a sub-agent run by a tool ---------------------------------------------
 
 
@@ -339,6 +341,42 @@ def test_a_sub_agent_run_again_by_a_retried_tool_charges_once(
     assert provider.effects == 2  # once per outer intent
     answers = [r.content for n in range(2, len(script.requests) + 1) for r in script.results(n)]
     assert answers[-2:] == ["ch_1", "ch_2"]
+
+
+def test_a_delegation_declared_safe_gives_its_sub_agent_the_outer_intent(ledger: Ledger) -> None:
+    """A SAFE tool delegating to a sub-agent: two outer intents charge twice; the first one, run
+    again in place and called again by the model, does not charge again."""
+    provider = Provider()
+    billing = billing_agent(TwiceshyCapability(ledger, {"charge": UNSAFE}), provider)
+    guard = ledger.guard("bill", effect=SAFE, attempts=2, backoff=lambda _: 0.0)
+    script = Script(
+        call("bill", {"order": "o-1"}, "c1"),
+        call("bill", {"order": "o-2"}, "c2"),
+        call("bill", {"order": "o-1"}, "c3"),
+        done(),
+    )
+    outer = Agent(FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"bill": guard})])
+    runs: list[str] = []
+    lost = {"o-1": 1}  # the first answer of the delegation for o-1 is lost: run again in place
+
+    @outer.tool
+    async def bill(ctx: RunContext[None], order: str) -> str:
+        result = await billing.run(f"charge order {order}", usage=ctx.usage)
+        runs.append(order)
+        if lost.get(order):
+            lost[order] -= 1
+            raise TimeoutError("the billing agent's answer was lost")
+        return result.output
+
+    outer.run_sync("bill both orders", run_id="run-1")
+
+    assert runs == ["o-1", "o-1", "o-2", "o-1"]  # the sub-agent ran four times
+    assert provider.effects == 2  # once per outer intent
+    assert [r.content for n in (2, 3, 4) for r in script.results(n)] == ["ch_1", "ch_2", "ch_1"]
+    for order in ("o-1", "o-2"):
+        outer_key = twiceshy.idempotency_key("run-1", "bill", {"order": order})
+        inner_key = twiceshy.idempotency_key(outer_key, "charge", CHARGE)
+        assert ledger.store.get(ledger.namespace, inner_key).record is not None
 
 
 @pytest.mark.parametrize("given", ["scope-function", "run-inside-the-tool"])
@@ -413,12 +451,7 @@ def test_a_result_with_no_json_form_is_done_and_a_retry_reads_that_it_ran(
     """A result that cannot be kept: the first call reads it; the re-call reads that the tool ran
     and was not run again, never a retry request."""
     exported: list[str] = []
-    script = Script(
-        call("export", {"table": "orders"}, "c1"), call("export", {"table": "orders"}, "c2"), done()
-    )
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"export": UNSAFE})]
-    )
+    script, agent = twice(ledger, "export", {"table": "orders"}, UNSAFE)
 
     @agent.tool_plain
     def export(table: str):  # no return annotation: any result
@@ -452,10 +485,7 @@ def test_a_keyed_tool_out_of_attempts_reads_that_it_may_have_taken_effect(
     words, not the error or a retry request; its later re-call runs with the same key."""
     provider = Provider()
     guard = ledger.guard("charge", effect=KEYED, attempts=2, backoff=lambda _: 0.0)
-    script = Script(call("charge", CHARGE, "c1"), call("charge", CHARGE, "c2"), done())
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"charge": guard})]
-    )
+    script, agent = twice(ledger, "charge", CHARGE, guard)
 
     @agent.tool_plain(timeout=0.05 if how == "pydantic-ai-timeout" else None)
     async def charge(amount: int, customer: str) -> str:
@@ -493,12 +523,7 @@ def test_a_retry_request_made_from_an_error_is_named_by_that_error(ledger: Ledge
     """An UNSAFE wire raising ModelRetry from a ConnectionError after sending: the model reads an
     unknown outcome that names the ConnectionError, not Pydantic AI's retry request."""
     sent: list[int] = []
-    script = Script(
-        call("wire", {"amount": 120}, "c1"), call("wire", {"amount": 120}, "c2"), done()
-    )
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"wire": UNSAFE})]
-    )
+    script, agent = twice(ledger, "wire", {"amount": 120}, UNSAFE)
 
     @agent.tool_plain
     def wire(amount: int) -> str:
@@ -622,10 +647,7 @@ def test_a_replay_reads_as_the_first_answer_did(ledger: Ledger, make: Any) -> No
     """The model reads the same result, and the same content beside it, on the first call and on
     the model's re-call, replayed from the ledger."""
     ran: list[str] = []
-    script = Script(call("report", {}, "c1"), call("report", {}, "c2"), done())
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"report": UNSAFE})]
-    )
+    script, agent = twice(ledger, "report", {}, UNSAFE)
 
     @functools.wraps(make)  # make's return annotation, or none
     def report() -> Any:
@@ -648,10 +670,7 @@ def test_a_replay_reads_as_the_first_answer_did(ledger: Ledger, make: Any) -> No
 def test_a_tool_return_reaches_the_model_as_pydantic_ai_reads_it(ledger: Ledger, make: Any) -> None:
     """A ToolReturn's image reaches the model as an image beside the result, its metadata not at
     all, on the first call and on a replay alike."""
-    script = Script(call("chart", {}, "c1"), call("chart", {}, "c2"), done())
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"chart": UNSAFE})]
-    )
+    script, agent = twice(ledger, "chart", {}, UNSAFE)
     agent.tool_plain(name="chart")(make)
 
     agent.run_sync("chart", run_id="run-1")
@@ -669,10 +688,7 @@ def test_a_tool_return_reaches_the_model_as_pydantic_ai_reads_it(ledger: Ledger,
 
 def test_an_image_returned_as_the_result_reaches_the_model_as_an_image(ledger: Ledger) -> None:
     """A result holding an image: the model gets the image, not its JSON, on a replay too."""
-    script = Script(call("picture", {}, "c1"), call("picture", {}, "c2"), done())
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"picture": UNSAFE})]
-    )
+    script, agent = twice(ledger, "picture", {}, UNSAFE)
     agent.tool_plain(name="picture")(_picture)
 
     agent.run_sync("picture", run_id="run-1")
@@ -691,10 +707,7 @@ def test_content_too_large_to_keep_is_seen_live_and_a_replay_says_it_ran(ledger:
     ran and its result cannot be shown again."""
     ran: list[str] = []
     guard = ledger.guard("chart", effect=UNSAFE, max_result_bytes=64, definite=[ToolFailed])
-    script = Script(call("chart", {}, "c1"), call("chart", {}, "c2"), done())
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"chart": guard})]
-    )
+    script, agent = twice(ledger, "chart", {}, guard)
 
     @agent.tool_plain
     def chart() -> ToolReturn:
@@ -727,12 +740,7 @@ def test_an_error_before_the_point_of_no_return_releases_the_intent(
     failing after: the outcome is unknown, and it is not run again."""
     sent: list[int] = []
     attempts: list[int] = []
-    script = Script(
-        call("wire", {"amount": 120}, "c1"), call("wire", {"amount": 120}, "c2"), done()
-    )
-    agent = Agent(
-        FunctionModel(script), capabilities=[TwiceshyCapability(ledger, {"wire": UNSAFE})]
-    )
+    script, agent = twice(ledger, "wire", {"amount": 120}, UNSAFE)
 
     @agent.tool_plain
     def wire(amount: int) -> str:

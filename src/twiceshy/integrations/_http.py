@@ -34,7 +34,7 @@ from typing import Any
 from .._forks import reset_in_children
 from .._records import Effect
 from .._scope import Current, current_call, point_of_no_return
-from ..errors import RepeatedRequest
+from ..errors import FencedOut, RepeatedRequest
 
 __all__ = ["DEFAULT_METHODS", "header_value", "make_transports", "request_content"]
 
@@ -127,9 +127,14 @@ class _Rule:
 
         Raises:
             RepeatedRequest: an UNSAFE call sent it already; it must not leave.
-            FencedOut: the call's lease is lost (``effect_at="http"``); it must not leave.
+            FencedOut: the call's lease is lost (``effect_at="http"``), or its attempt has ended
+                (an UNSAFE call's, or a marking one's); it must not leave.
             StoreError: the lease could not be confirmed; it must not leave.
         """
+        if call.closed and (call.effect is Effect.UNSAFE or call.effect_at is not None):
+            # Sent from a thread or task the attempt left behind: the intent may have been run
+            # again since, so its effect must not start.
+            raise FencedOut(call.tool, call.key)
         digest = None
         if body is not None:
             content = request_content(request.headers.get("Content-Type"), body)

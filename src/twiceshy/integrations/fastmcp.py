@@ -222,20 +222,22 @@ def _validated(adapter: TypeAdapter[Any], arguments: dict[str, Any], strict: boo
 
 def _intent(
     fn: Callable[..., Any] | None, arguments: Mapping[str, Any], schema: object, strict: bool
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bool]:
     """The arguments that name the intent: those the tool's function receives (DESIGN.md §2),
-    else the JSON arguments with the schema's defaults for omitted ones.
+    else the JSON arguments with the schema's defaults for omitted ones; and whether the
+    arguments were validated here as FastMCP validates them (then a ``ValidationError`` from
+    the call is the tool's own, raised by its body).
     """
     if fn is not None:
         try:
             handed, adapter = _validator(fn)
             args, kwargs = _validated(adapter, dict(arguments), strict)
-            return received(handed, args, kwargs)
+            return received(handed, args, kwargs, sent=arguments), True
         except Exception:
             # FastMCP refuses these arguments (its own refusal then releases the claim), or they
             # cannot be read here: the JSON names the intent; the ledger still holds the call.
             pass
-    return with_schema_defaults(arguments, schema)
+    return with_schema_defaults(arguments, schema), False
 
 
 class TwiceshyMiddleware(Middleware):
@@ -335,16 +337,21 @@ class TwiceshyMiddleware(Middleware):
             return _error_result(guard)
         fctx = context.fastmcp_context
         strict = fctx is not None and bool(fctx.fastmcp.strict_input_validation)
-        intent = _intent(_function_of(tool), arguments, schema, strict)
+        intent, validated = _intent(_function_of(tool), arguments, schema, strict)
         produced: list[tuple[ToolResult, dict[str, Any]]] = []
         raised: list[tuple[Exception, Exception]] = []  # (what the guard read, what FastMCP raised)
 
         async def work() -> dict[str, Any]:
             try:
                 result = await _uncancelled(call_next(context))
-            except (ValidationError, NotFoundError, DisabledError) as exc:
+            except (NotFoundError, DisabledError) as exc:
                 raise _NotRun(exc) from exc
             except Exception as exc:
+                if isinstance(exc, ValidationError) and not validated:
+                    # FastMCP refused the arguments before the tool ran. Arguments validated
+                    # here passed the same check: such an error is the tool's own, after which
+                    # its effect may have happened.
+                    raise _NotRun(exc) from exc
                 root = _root(exc)
                 raised.append((root, exc))
                 if root is exc:

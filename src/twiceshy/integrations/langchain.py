@@ -91,7 +91,13 @@ from .. import (
     current_scope,
     inherited_scope,
 )
-from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
+from ._calls import (
+    effect_at_of,
+    factory_fields,
+    for_the_model,
+    received,
+    with_schema_defaults,
+)
 
 __all__ = [
     "EffectNotDeclared",
@@ -403,8 +409,8 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
                     "or give default="
                 )
             guard = self._built_guard(name, effect, effect_at_of(fn))
-        # A SAFE tool kept out of the ledger is named by nothing: spare it a second validation.
-        arguments = _received(request, fn) if guard.recorded else _with_defaults(request)
+        # A SAFE tool kept out of the ledger still names the scope of the runs inside it.
+        arguments = _received(request, fn)
         if self._scope is not None:
             scope = self._scope(request)
             where = "the scope= function returned no scope"
@@ -484,11 +490,16 @@ def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[s
             # StructuredTool passes the run config and callbacks itself: left out all the same.
             if parameters[name].kind not in _VARIADIC:
                 kwargs.setdefault(name, None)
-        arguments = received(fn, args, kwargs, inject=injected)
+        arguments = received(
+            fn,
+            args,
+            kwargs,
+            inject=injected,
+            sent=request.tool_call.get("args") or {},
+            made=factory_fields(tool.get_input_schema()),
+        )
     except Exception:  # the tool answers this call with its own error; keyed as it was sent
         return _with_defaults(request)
-    for name in _volatile_defaults(tool, request.tool_call.get("args") or {}):
-        arguments.pop(name, None)
     try:
         canonical_json(arguments)
     except UnkeyableType:  # a value LangChain built (a Path...) that has no canonical form
@@ -515,32 +526,6 @@ def _injected_names(tool: BaseTool, fn: Callable[..., Any]) -> set[str]:
     if config:
         names.add(config)
     return names
-
-
-def _volatile_defaults(tool: BaseTool, sent: Mapping[str, Any]) -> list[str]:
-    """Omitted fields whose default a factory makes anew each call (a fresh id, the time).
-
-    Such a value names nothing the model asked for, and keying it would make every retry a new
-    intent. A factory that gives equal values each time (``list``, ``dict``) names its default
-    as a plain one does: omitting it and sending it are one intent.
-    """
-    schema = tool.get_input_schema()
-    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
-        return []
-    volatile = []
-    for name, field in schema.model_fields.items():
-        if field.default_factory is None or name in sent or (field.alias or name) in sent:
-            continue
-        try:
-            once, again = (
-                canonical_json(field.get_default(call_default_factory=True, validated_data={}))
-                for _ in range(2)
-            )
-        except Exception:  # a factory that needs the other fields, or makes an unkeyable value
-            once, again = "", None
-        if once != again:
-            volatile.append(name)
-    return volatile
 
 
 def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:

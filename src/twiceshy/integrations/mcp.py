@@ -344,7 +344,7 @@ def _intent(tool: Any, arguments: Mapping[str, Any], schema: object) -> dict[str
     # received() binds the whole signature: the injected parameters get a stand-in, left out.
     given = {**validated, **dict.fromkeys(inject)}
     try:
-        return received(fn, (), given, inject=inject)
+        return received(fn, (), given, inject=inject, sent=arguments)
     except (TypeError, ValueError):  # a signature the binder cannot read: the JSON it got
         return raw
 

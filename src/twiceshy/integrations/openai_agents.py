@@ -139,15 +139,28 @@ class _Function:
         """This call prepared by the SDK; raises what the SDK raises for arguments it refuses."""
         return self.prepare(raw_json_args, ctx.tool_name)
 
-    def received(self, prepared: Any) -> dict[str, Any] | None:
-        """The arguments the function receives by name, or ``None`` when they do not bind."""
+    def received(self, prepared: Any, raw_json_args: str) -> dict[str, Any] | None:
+        """The arguments the function receives by name, or ``None`` when they do not bind.
+
+        What a default factory made for what the model left out names nothing: left out.
+        """
         args = list(prepared.args)
         inject: tuple[str, ...] = ()
         if self.context is not None:
             args.insert(0, None)  # stands for the context, which is left out
             inject = (self.context,)
         try:
-            return received(self.fn, args, prepared.kwargs, inject=inject)
+            sent = json.loads(raw_json_args) if raw_json_args else {}
+        except ValueError:  # pragma: no cover - the SDK parsed this JSON
+            return None
+        try:
+            return received(
+                self.fn,
+                args,
+                prepared.kwargs,
+                inject=inject,
+                sent=sent if isinstance(sent, dict) else None,
+            )
         except TypeError:  # pragma: no cover - the SDK made these arguments for this function
             return None
 
@@ -342,15 +355,16 @@ class _Invoker:
                 # The SDK's own validation refused the call: the body never runs, as without
                 # twiceshy, and the SDK answers.
                 return await _failed(outer, ctx, exc, self.answers_failures)
-            arguments = self.function.received(prepared)
+            arguments = self.function.received(prepared, raw_json_args)
         raw: dict[str, Any] | None = None
         if arguments is None:
             try:
                 arguments = raw = _arguments(outer, raw_json_args)
             except ModelBehaviorError as exc:
                 return await _failed(outer, ctx, exc, self.answers_failures)
-        # A SAFE tool keeps no record: it needs no key, so no scope either.
-        run_scope = _scope(self.scope, ctx, guard.name) if guard.recorded else None
+        # A SAFE tool keeps no record and needs no scope; where there is one, it names the
+        # scope of the runs started inside the tool (a sub-agent behind a SAFE as_tool).
+        run_scope = _scope(self.scope, ctx, guard.name, required=guard.recorded)
         if run_scope is not None and raw is None:
             arguments = _keyable(guard, arguments, outer, raw_json_args, run_scope)
         handed = [prepared]
@@ -498,8 +512,10 @@ def _arguments(tool: FunctionTool, raw_json_args: str) -> dict[str, Any]:
     return with_schema_defaults(parsed, tool.params_json_schema)
 
 
-def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
-    """The call's scope; ``MissingScope`` when there is none.
+def _scope(
+    source: ScopeSource, ctx: ToolContext[Any], tool: str, *, required: bool = True
+) -> str | None:
+    """The call's scope; ``MissingScope`` when there is none (``None`` if not ``required``).
 
     The application's scope comes first (a ``twiceshy.run`` it entered, then ``scope=``); then
     the scope a nested run inherits from the protected call it runs in; then, without
@@ -525,6 +541,8 @@ def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
         if source is None:
             value = ctx.run_config.group_id if ctx.run_config is not None else None
             origin = "RunConfig.group_id"
+    if (value is None or value == "") and not required:
+        return None
     if value is None or value == "":
         raise MissingScope(
             f"the tool {tool!r} has no scope: {origin} is not set. Give each run a stable id "
@@ -532,6 +550,8 @@ def _scope(source: ScopeSource, ctx: ToolContext[Any], tool: str) -> str:
             "named by scope=, or `with twiceshy.run(run_id):`) so retries of one intent share a key"
         )
     if not isinstance(value, str):
+        if not required:
+            return None
         raise TypeError(f"{origin} must be a string, not {type(value).__name__}")
     return value
 

@@ -277,7 +277,9 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         schema = _tool_schema(ctx, tool_def.name)
         guard = self._guard_for(tool_def, schema)
         arguments = _arguments(ctx, call, tool_def, args, schema)
-        scope = self._scope_for(ctx, guard) if guard.recorded else None
+        # A SAFE tool kept out of the ledger needs no scope; where there is one, it names the
+        # scope of the runs started inside the tool (a delegation declared SAFE).
+        scope = self._scope_for(ctx, guard, required=guard.recorded)
 
         async def work() -> Any:
             try:
@@ -343,10 +345,13 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             guard = typed[name, effect] = _guard(self.ledger, name, effect, function)
         return guard
 
-    def _scope_for(self, ctx: RunContext[AgentDepsT], guard: Guard) -> str:
+    def _scope_for(
+        self, ctx: RunContext[AgentDepsT], guard: Guard, *, required: bool = True
+    ) -> str | None:
         """The call's scope: ``scope(ctx)``, else ``twiceshy.current_scope()`` (an enclosing
         ``twiceshy.run(...)``, or the scope an enclosing protected call passes on to the runs
-        started inside it: a sub-agent's), else the run id, which a nested run draws afresh."""
+        started inside it: a sub-agent's), else the run id, which a nested run draws afresh.
+        Without one: ``MissingScope``, or ``None`` when not ``required``."""
         if self.scope is not None:
             scope = self.scope(ctx)
             where = "the scope= function returned no scope"
@@ -354,6 +359,8 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             scope = current_scope() or run_scope(ctx)
             where = "the run has no run_id: pass agent.run(..., run_id=...)"
         if not isinstance(scope, str) or not scope:
+            if not required:
+                return None
             raise MissingScope(
                 f"the tool {guard.name!r} cannot be protected: {where}; it did not run"
             )
@@ -441,7 +448,7 @@ def _arguments(
             if rest:
                 positional.extend(named.pop(rest))
             inject = (_first_parameter(function),) if takes_ctx else ()
-            return received(function, positional, named, inject=inject)
+            return received(function, positional, named, inject=inject, sent=call.args_as_dict())
         except (TypeError, ValueError, KeyError):
             pass
     return with_schema_defaults(call.args_as_dict(), tool_def.parameters_json_schema)
