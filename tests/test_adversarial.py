@@ -74,7 +74,10 @@ def test_an_unsafe_owner_paused_past_its_lease_never_runs_beside_a_rerun_after_a
     # An operator's reconciler (`twiceshy reconcile`): it looks at the provider, where nothing
     # has happened yet.
     operator = other_ledger.guard(
-        "wire", effect=twiceshy.UNSAFE, reconcile=lambda key, args: twiceshy.DidNotHappen()
+        "wire",
+        effect=twiceshy.UNSAFE,
+        reconcile=lambda key, args: twiceshy.DidNotHappen(),
+        release_grace=0.0,  # no grace for a paused owner: its renewal is what stops it
     )
     key = twiceshy.idempotency_key("run-1", "wire", {"amount": 5})
 

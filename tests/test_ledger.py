@@ -1288,7 +1288,10 @@ def test_a_stalled_unsafe_owner_whose_intent_a_reconciler_released_does_not_run(
     happened, as was true then), and ran the tool itself; the stalled owner then replays it.
     """
     race = StalledOwner(
-        twiceshy.UNSAFE, "run-trust-4", reconcile=lambda key, args: twiceshy.DidNotHappen()
+        twiceshy.UNSAFE,
+        "run-trust-4",
+        reconcile=lambda key, args: twiceshy.DidNotHappen(),
+        release_grace=0.0,  # no grace for a paused owner: its renewal is what stops it
     )
     assert race.other() == "other"
     race.finish()
@@ -1399,3 +1402,31 @@ def test_stored_answers_give_the_first_caller_what_every_retry_gets(
         first = stored.call({}, work)
         again = stored.call({}, work)
     assert first == again == {"tags": [1, 2, 3], "when": "2026-12-01T09:30:00"}
+
+
+def test_a_huge_error_message_is_kept_bounded(ledger: twiceshy.Ledger) -> None:
+    """A definite failure whose message is megabytes long is stored and replayed cut to its
+    first 16,384 characters, saying how much was left out."""
+
+    class Declined(Exception):
+        """A certain failure of the provider."""
+
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, definite=[Declined])
+    def charge(amount: int) -> int:
+        runs.append(amount)
+        raise Declined("x" * 5_000_000)
+
+    with twiceshy.run("run-huge"):
+        with pytest.raises(Declined):
+            charge(5)
+        with pytest.raises(Declined) as replayed:
+            charge(5)
+    text = str(replayed.value)
+    assert text.startswith("x" * 16_384)
+    assert text.endswith("... (4983616 more characters not kept)")
+    (record,) = ledger.store.records("")
+    assert record.error is not None
+    assert len(record.error) < 17_000
+    assert runs == [5]

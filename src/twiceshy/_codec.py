@@ -772,12 +772,20 @@ def encode_error(exc: BaseException, listed: type[BaseException] | None = None) 
     return json.dumps(data)
 
 
+MAX_ERROR_CHARS: Final = 16_384
+"""The most characters of an error's message kept in the ledger (and so replayed)."""
+
+
 def _message(exc: BaseException) -> str:
-    """An error's message; one whose ``__str__`` raises must still be recorded."""
+    """An error's message, bounded; one whose ``__str__`` raises must still be recorded."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception as broken:
         return f"(its message could not be read: {type(broken).__name__})"
+    if len(text) > MAX_ERROR_CHARS:
+        left = len(text) - MAX_ERROR_CHARS
+        text = f"{text[:MAX_ERROR_CHARS]}... ({left} more characters not kept)"
+    return text
 
 
 def decode_error(text: str | None) -> tuple[str, str, str]:

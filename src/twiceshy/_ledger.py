@@ -80,7 +80,7 @@ from .errors import (
     UnkeyableArgument,
     clearing,
 )
-from .stores import AsyncStore, CallCounts, Store, default_url, open_store
+from .stores import AsyncStore, CallCounts, Store, default_url, open_store, redacted_url
 
 __all__ = ["Guard", "Ledger"]
 
@@ -419,7 +419,8 @@ class Guard:
         """
         reconcile = self._reconciler()
         store, ns = self._ledger.store, self._ledger.namespace
-        record = store.get(ns, key).record
+        snap = store.get(ns, key)
+        record = snap.record
         if record is None or not self._parked(record):
             return record
         answer = _reconciled(reconcile, key, None)
@@ -433,7 +434,7 @@ class Guard:
                     "here: use await guard.asettle(key)"
                 )
             answer = asyncio.run(_awaited(answer, key))
-        change = settle(self.policy, record, answer)
+        change = settle(self.policy, record, answer, snap.now)
         return record if change is None else store.write(ns, key, change).record
 
     async def asettle(self, key: str) -> Record | None:
@@ -441,11 +442,12 @@ class Guard:
         in a worker thread if it blocks; the ledger is used through its async store."""
         reconcile = self._reconciler()
         store, ns = self._ledger.async_store, self._ledger.namespace
-        record = (await store.get(ns, key)).record
+        snap = await store.get(ns, key)
+        record = snap.record
         if record is None or not self._parked(record):
             return record
         answer = await _areconciled(reconcile, key, None)
-        change = settle(self.policy, record, answer)
+        change = settle(self.policy, record, answer, snap.now)
         return record if change is None else (await store.write(ns, key, change)).record
 
     def _reconciler(self) -> Reconciler:
@@ -1160,7 +1162,7 @@ class Ledger:
         return f"{self._owner_prefix}.{os.getpid()}.{next(self._owner_count)}"
 
     def __repr__(self) -> str:
-        return f"Ledger({self.url!r}, namespace={self.namespace!r})"
+        return f"Ledger({redacted_url(self.url)!r}, namespace={self.namespace!r})"
 
     def counts(self) -> dict[tuple[str, str], int]:
         """This process's call counts not yet added to the store, by ``(tool, outcome)``."""
@@ -1218,6 +1220,7 @@ class Ledger:
         effect_at: Literal["mark", "http"] | None = None,
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
+        release_grace: Duration | None = None,
     ) -> Guard:
         """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
 
@@ -1267,6 +1270,9 @@ class Ledger:
             codec=codec,
             reconcile=reconcile is not None,
             effect_at=effect_at,
+            release_grace=(
+                2 * lease_s if release_grace is None else _seconds(release_grace, "release_grace")
+            ),
         )
         return Guard(
             self,
@@ -1303,6 +1309,7 @@ class Ledger:
         effect_at: Literal["auto", "mark", "http"] | None = "auto",
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
+        release_grace: Duration | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Protect a tool (``def`` or ``async def``); the decorated tool keeps its signature.
 
@@ -1342,6 +1349,10 @@ class Ledger:
             max_arg_bytes: the largest canonical text of the arguments that name the intent, in
                 UTF-8 bytes (1 MiB by default); with ``key_args=`` it bounds only those.
             max_arg_depth: how deeply containers in the arguments may nest (64 by default).
+            release_grace: how long after an UNSAFE call's lapsed lease was marked unknown its
+                reconciler may not release it (``DidNotHappen()`` is then read as "cannot
+                tell"): a lapse is not a crash, and a paused owner may still be taking effect.
+                Twice the lease by default.
 
         Raises:
             ValueError: an option is out of range or names parameters the tool lacks.
@@ -1382,6 +1393,7 @@ class Ledger:
                 effect_at=where,
                 max_arg_bytes=max_arg_bytes,
                 max_arg_depth=max_arg_depth,
+                release_grace=release_grace,
             )
             if is_async:
                 wrapper = _async_tool(cast("Callable[..., Awaitable[Any]]", fn), guard, binder)

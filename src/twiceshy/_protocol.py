@@ -273,6 +273,9 @@ class Policy:
     #: A framework's exception types that carry the tool's own error as their cause: a record's
     #: reason names the cause.
     wrappers: tuple[type[BaseException], ...] = ()
+    #: How long after a lapse was marked UNKNOWN no reconciler may release it (seconds, on the
+    #: store's clock): its owner, only paused, may still be acting.
+    release_grace: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,11 +376,28 @@ class _Kept:
     reason: str | None = None
 
 
-def settle(policy: Policy, record: Record, answer: object) -> Change | None:
+LAPSED: Final = "the call's owner stopped without recording an outcome"
+"""The reason of an UNKNOWN record that a caller marked when its owner's lease lapsed."""
+
+
+def paused_owner_may_act(policy: Policy, record: Record, now: float) -> bool:
+    """Whether ``record`` is an unknown outcome marked at a lapse whose owner may still act: a
+    lapse is not a crash (a paused process resumes), so within ``release_grace`` of the lapse
+    nothing may release it."""
+    return (
+        record.state is State.UNKNOWN
+        and record.reason == LAPSED
+        and now < record.updated_at + policy.release_grace
+    )
+
+
+def settle(policy: Policy, record: Record, answer: object, now: float) -> Change | None:
     """The write that settles an UNKNOWN ``record`` by a reconciler's answer, if it knew.
 
     ``Happened(result)`` records the result (SUCCEEDED); ``DidNotHappen()`` releases the intent
-    (RELEASED); anything else (``None``: it cannot tell) leaves the doubt standing.
+    (RELEASED), except for a lapse whose paused owner may still act (:func:`paused_owner_may_act`,
+    at store time ``now``): the provider may not show its effect yet, so the doubt stands; anything
+    else (``None``: it cannot tell) leaves the doubt standing too.
     """
     if isinstance(answer, Happened):
         try:
@@ -386,7 +406,7 @@ def settle(policy: Policy, record: Record, answer: object) -> Change | None:
             # It happened, though its result cannot be kept: recorded as done all the same.
             text = not_kept(answer.result, str(exc))
         return _change(Actor.RECONCILER, record, _S, result=text, ttl=policy.ttl)
-    if isinstance(answer, DidNotHappen):
+    if isinstance(answer, DidNotHappen) and not paused_owner_may_act(policy, record, now):
         return _change(Actor.RECONCILER, record, _R, ttl=policy.ttl)
     return None
 
@@ -451,9 +471,8 @@ def protect(
         if state is State.CLAIMED:
             lapsed = record.lease_deadline is not None and record.lease_deadline <= snap.now
             if lapsed and plan.policy.effect is Effect.UNSAFE:
-                reason = "the call's owner stopped without recording an outcome"
                 snap = yield Write(
-                    _change(Actor.CALLER, record, _U, lapsed=True, reason=reason, error=None)
+                    _change(Actor.CALLER, record, _U, lapsed=True, reason=LAPSED, error=None)
                 )
                 continue
             if lapsed:
@@ -482,7 +501,7 @@ def protect(
             reconciled = True
             answer = yield Reconcile()
             settled = Outcome.RECONCILED
-            settlement = settle(plan.policy, record, answer)
+            settlement = settle(plan.policy, record, answer, snap.now)
             if settlement is not None:
                 snap = yield Write(settlement)
                 continue

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Iterable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from .._records import Change, Effect, Record, Snapshot, State
@@ -279,13 +280,35 @@ def open_store(url: str, *, create: bool = True) -> tuple[Store, AsyncStore]:
             raise _missing_extra("redis", exc) from exc
         return open_redis(url)
     known = "memory://, sqlite:///path, postgresql://..., redis://..."
-    raise ValueError(f"unknown ledger URL {url!r}: expected one of {known}")
+    raise ValueError(f"unknown ledger URL {redacted_url(url)!r}: expected one of {known}")
 
 
 def _missing_extra(extra: str, exc: ImportError) -> ImportError:
     return ImportError(
         f"the {extra} ledger needs its client library: pip install 'twiceshy[{extra}]' ({exc})"
     )
+
+
+_SECRET_PARAMS: Final = frozenset({"password", "passwd", "pass", "secret", "token", "auth"})
+_USERINFO: Final = re.compile(r"^(?P<head>[^:/?#]*://[^/?#@:]*:)(?P<password>[^/?#]*)@")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without secrets, for reprs, logs and errors: the password of its user part and
+    the values of query parameters such as ``password=`` become ``***``. Even a URL that does not
+    parse (a bad port) is redacted."""
+    text = _USERINFO.sub(r"\g<head>***@", url, count=1)
+    head, mark, query = text.partition("?")
+    if not mark:
+        return text
+    query, hash_mark, fragment = query.partition("#")
+    parts = []
+    for pair in query.split("&"):
+        name, equals, _ = pair.partition("=")
+        if equals and name.lower() in _SECRET_PARAMS:
+            pair = f"{name}=***"
+        parts.append(pair)
+    return f"{head}?{'&'.join(parts)}{hash_mark}{fragment}"
 
 
 def default_url() -> str:
