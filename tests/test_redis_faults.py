@@ -60,12 +60,13 @@ def prefix(url: str) -> Iterator[str]:
 
 @pytest.fixture
 def acl_url(url: str, admin: redis.Redis, prefix: str) -> Iterator[str]:
-    """The URL of an ACL user of this test's own: its prefix's keys, every safe command, and
-    no pub/sub channel (Redis 7's default for a new user); deleted afterwards."""
+    """The URL of an ACL user of this test's own: its prefix's keys, every safe command, INFO
+    (for the store's check of the eviction policy), and no pub/sub channel (Redis 7's default
+    for a new user); deleted afterwards."""
     user = f"twiceshy-test-{secrets.token_hex(6)}"
     admin.execute_command(
         "ACL", "SETUSER", user, "reset", "on", "nopass", f"~{prefix}*", "resetchannels",
-        "+@all", "-@dangerous",
+        "+@all", "-@dangerous", "+info",
     )  # fmt: skip
     try:
         host_port = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -21,20 +22,22 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 import servers
 import twiceshy
 from twiceshy._records import Change, Effect, Snapshot, State
+from twiceshy.cli import main
 from twiceshy.errors import StoreError, StoreUnavailable
 from twiceshy.stores import open_store
-from twiceshy.stores.redis import AsyncRedisStore, RedisStore, split_url
+from twiceshy.stores.redis import AsyncRedisStore, EvictionPolicyRefused, RedisStore, split_url
 
 pytestmark = pytest.mark.redis
 
@@ -858,3 +861,355 @@ def test_async_keyed_tool_through_a_ledger_replays(url: str, prefix: str) -> Non
         )
     finally:
         ledger.close()
+
+
+# -- eviction -------------------------------------------------------------------------------
+
+EVICTING = (
+    "volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu", "volatile-random",
+    "allkeys-random", "volatile-ttl",
+)  # fmt: skip
+
+
+@pytest.fixture
+def eviction_policy(admin: redis.Redis) -> Iterator[Callable[[str], AbstractContextManager[None]]]:
+    """Sets the shared server's maxmemory-policy for a ``with`` block, and back afterwards.
+
+    The server is shared by other tests: the original policy (noeviction) is restored when the
+    block ends and again when the test ends, whatever happened.
+    """
+    original = admin.config_get("maxmemory-policy")["maxmemory-policy"]
+
+    @contextmanager
+    def policy(name: str) -> Iterator[None]:
+        admin.config_set("maxmemory-policy", name)
+        try:
+            yield
+        finally:
+            admin.config_set("maxmemory-policy", original)
+
+    try:
+        yield policy
+    finally:
+        admin.config_set("maxmemory-policy", original)
+
+
+@pytest.fixture
+def acl_user(url: str, admin: redis.Redis, prefix: str) -> Iterator[Callable[..., str]]:
+    """Makes ACL users of this test's own on the test's prefix; answers each one's URL.
+
+    ``acl_user(*rules, password=None)`` adds the rules to ``~<prefix>*`` and every channel; the
+    users are deleted afterwards.
+    """
+    made: list[str] = []
+    host_port = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+
+    def make(*rules: str, password: str | None = None) -> str:
+        user = f"twiceshy-test-{secrets.token_hex(6)}"
+        secret = [f">{password}"] if password is not None else ["nopass"]
+        admin.execute_command(
+            "ACL", "SETUSER", user, "reset", "on", *secret, f"~{prefix}*", "allchannels", *rules
+        )
+        made.append(user)
+        return f"redis://{user}:{password or 'unused'}@{host_port}/0"
+
+    yield make
+    for user in made:
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+def twiceshy_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The WARNING lines of the twiceshy logger."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "twiceshy" and r.levelno == logging.WARNING
+    ]
+
+
+def test_a_server_that_may_evict_records_is_refused_at_open(
+    url: str,
+    prefix: str,
+    admin: redis.Redis,
+    eviction_policy: Callable[[str], AbstractContextManager[None]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every policy but noeviction: EvictionPolicyRefused naming it and the fix; nothing written.
+
+    noeviction (the shared server's) opens, and logs no warning.
+    """
+    for policy in EVICTING:
+        with eviction_policy(policy):
+            for opener in (
+                lambda: RedisStore(url, prefix=prefix),
+                lambda: AsyncRedisStore(url, prefix=prefix),
+                lambda: twiceshy.Ledger(ledger_url(url, prefix)),
+                lambda: twiceshy.Ledger(ledger_url(url, prefix, allow_eviction="0")),
+            ):
+                with pytest.raises(EvictionPolicyRefused) as refused:
+                    opener()
+                message = str(refused.value)
+                assert f"maxmemory-policy is {policy}" in message
+                assert "CONFIG SET maxmemory-policy noeviction" in message
+                assert "maxmemory-policy noeviction in redis.conf" in message
+                assert "allow_eviction=1" in message
+                assert isinstance(refused.value, twiceshy.StoreError)
+    assert list(admin.scan_iter(match=f"{prefix}*")) == []
+    caplog.set_level(logging.WARNING, logger="twiceshy")
+    store = RedisStore(url, prefix=prefix)
+    try:
+        assert claim(store).won
+    finally:
+        store.close()
+    assert twiceshy_warnings(caplog) == []
+
+
+def test_allow_eviction_opens_such_a_server_with_a_warning(
+    url: str,
+    prefix: str,
+    eviction_policy: Callable[[str], AbstractContextManager[None]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """allow_eviction=1 (or allow_eviction=True) opens it, and logs a WARNING naming the risk.
+
+    On a noeviction server the option changes nothing, and nothing is logged.
+    """
+    caplog.set_level(logging.WARNING, logger="twiceshy")
+    with eviction_policy("volatile-lru"):
+        store = RedisStore.from_url(ledger_url(url, prefix, allow_eviction="1"))
+        async_store = AsyncRedisStore(url, prefix=prefix, allow_eviction=True)
+    try:
+        assert claim(store).won
+        warnings = twiceshy_warnings(caplog)
+        assert len(warnings) == 2
+        for line in warnings:
+            assert "maxmemory-policy is volatile-lru" in line
+            assert "allow_eviction=1 accepts it" in line
+            assert "run the work again" in line
+    finally:
+        store.close()
+        asyncio.run(async_store.close())
+    caplog.clear()
+    RedisStore.from_url(ledger_url(url, prefix, allow_eviction="1")).close()
+    assert twiceshy_warnings(caplog) == []
+    with pytest.raises(ValueError, match="allow_eviction='maybe'"):
+        split_url(f"{url}?allow_eviction=maybe")
+
+
+def test_the_policy_is_read_through_info_where_config_is_not_granted(
+    url: str,
+    prefix: str,
+    acl_user: Callable[..., str],
+    eviction_policy: Callable[[str], AbstractContextManager[None]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CONFIG refused (as on managed Redis): INFO tells the policy; neither: refused, say how."""
+    with_info = acl_user("+@all", "-@dangerous", "+info")
+    store = RedisStore(with_info, prefix=prefix)  # noeviction, read through INFO
+    store.close()
+    with eviction_policy("allkeys-lru"), pytest.raises(EvictionPolicyRefused, match="allkeys-lru"):
+        RedisStore(with_info, prefix=prefix)
+
+    blind = acl_user("+@all", "-@dangerous")
+    with pytest.raises(EvictionPolicyRefused) as refused:
+        RedisStore(blind, prefix=prefix)
+    message = str(refused.value)
+    assert "maxmemory-policy cannot be read" in message
+    assert "+info" in message
+    assert "allow_eviction=1" in message
+    caplog.set_level(logging.WARNING, logger="twiceshy")
+    store = RedisStore(blind, prefix=prefix, allow_eviction=True)
+    try:
+        assert claim(store).won
+        (warning,) = twiceshy_warnings(caplog)
+        assert "cannot be read" in warning
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def small_server(tmp_path: Path) -> Iterator[str]:
+    """A Redis server of this test's own on a free loopback port, no persistence; stopped after."""
+    import shutil
+    import subprocess
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server needed for a server of the test's own: not on PATH")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    target = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(target, socket_timeout=1)
+        try:
+            wait_until(lambda: proc.poll() is None and _pings(client), timeout=10)
+        finally:
+            client.close()
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def test_an_evicting_server_reruns_unsafe_tools_and_noeviction_does_not(small_server: str) -> None:
+    """What the refusal prevents: 300 UNSAFE calls on a full volatile-lru server run again on retry.
+
+    Settled outcomes carry a TTL, so volatile-lru evicts them; with noeviction the full server
+    refuses new calls (StoreError, nothing runs) and every recorded outcome still replays.
+    """
+    admin = redis.Redis.from_url(small_server, decode_responses=True)
+
+    def rerun_count(policy: str, query: str) -> tuple[int, int]:
+        admin.flushall()
+        admin.config_set("maxmemory", 0)
+        admin.config_set("maxmemory-policy", policy)
+        ledger = twiceshy.Ledger(f"{small_server}?prefix=small{query}", counts_interval=None)
+        # Room for about 50 outcomes of 10 kB, past what the server uses now.
+        admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 512 * 1024)
+        runs: dict[int, int] = {}
+        refused = 0
+
+        @ledger.tool(effect=twiceshy.UNSAFE, wait=0)
+        def charge(n: int) -> str:
+            runs[n] = runs.get(n, 0) + 1
+            return "x" * 10_000
+
+        try:
+            for _ in range(2):  # every call, then every call again: each retry must replay
+                for n in range(300):
+                    try:
+                        with twiceshy.run(f"order-{n}"):
+                            charge(n)
+                    except twiceshy.TwiceshyError:
+                        refused += 1
+        finally:
+            ledger.close()
+        return sum(1 for count in runs.values() if count > 1), refused
+
+    try:
+        admin.config_set("maxmemory-policy", "volatile-lru")
+        with pytest.raises(EvictionPolicyRefused, match="volatile-lru"):
+            twiceshy.Ledger(f"{small_server}?prefix=small")
+        reruns, _ = rerun_count("volatile-lru", "&allow_eviction=1")
+        assert reruns > 200  # nearly every UNSAFE charge ran a second time
+        reruns, refused = rerun_count("noeviction", "")
+        assert reruns == 0
+        assert refused > 0  # the server was full: calls failed instead of forgetting
+    finally:
+        admin.close()
+
+
+# -- keys that are not records --------------------------------------------------------------
+
+
+def test_keys_under_the_prefix_that_are_not_records_are_skipped(
+    url: str, prefix: str, admin: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A string, list, set or foreign hash named like a record: listing, ls and purge skip it."""
+    now = [1_700_000_000.0]
+    store = RedisStore(url, prefix=prefix, clock=lambda: now[0])
+    try:
+        assert settle(store, claim(store, "kept"), State.SUCCEEDED, result="1").won
+        assert settle(store, claim(store, "old"), State.SUCCEEDED, result="2", ttl=5).won
+        foreign = {name: store.key_names(NS, name)[0] for name in ("str", "list", "set", "hash")}
+        admin.set(foreign["str"], "someone else's")
+        admin.rpush(foreign["list"], "a", "b")
+        admin.sadd(foreign["set"], "a")
+        admin.hset(foreign["hash"], mapping={"x": "1"})
+        caplog.set_level(logging.DEBUG, logger="twiceshy")
+
+        assert sorted(r.key for r in store.records(NS)) == ["kept", "old"]
+        assert [r.key for r in store.records(NS, states=[State.SUCCEEDED], limit=1)]
+        assert (
+            sorted(r.key for r in asyncio.run(_async_records(url, prefix, now[0])))
+            == ["kept", "old"]
+        )  # fmt: skip
+        skipped = [r.getMessage() for r in caplog.records if "not records" in r.getMessage()]
+        assert skipped
+        assert "skipped 4 key(s)" in skipped[0]
+
+        listed = CliRunner().invoke(
+            main, ["ls", "--ledger", ledger_url(url, prefix), "--namespace", NS]
+        )
+        assert listed.exit_code == 0, listed.output
+        assert "kept" in listed.output
+
+        now[0] += 10
+        assert store.purge_expired() == 1  # "old", and none of the foreign keys
+        assert all(admin.exists(name) == 1 for name in foreign.values())
+        with pytest.raises(StoreError):
+            store.get(NS, "str")  # read by its name, a foreign key is an error, never "none"
+    finally:
+        store.close()
+
+
+async def _async_records(url: str, prefix: str, now: float) -> list[twiceshy.Record]:
+    store = AsyncRedisStore(url, prefix=prefix, clock=lambda: now)
+    try:
+        return await store.records(NS)
+    finally:
+        await store.close()
+
+
+# -- secrets --------------------------------------------------------------------------------
+
+
+def error_text(exc: BaseException) -> str:
+    """str() and repr() of an exception and of every exception it was raised from or during."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        parts += [str(seen), repr(seen)]
+        seen = seen.__cause__ or seen.__context__
+    return "\n".join(parts)
+
+
+def test_reprs_and_errors_never_show_the_password(
+    url: str, prefix: str, acl_user: Callable[..., str]
+) -> None:
+    """repr() shows redis://user:***@host; no error (refused, failed, closed) shows the password."""
+    secret = f"pw-{secrets.token_hex(8)}"
+    target = acl_user("+@all", password=secret)
+    user = urlsplit(target).username
+    host_port = urlsplit(target).netloc.rsplit("@", 1)[-1]
+    store = RedisStore(target, prefix=prefix)
+    async_store = AsyncRedisStore.twin(store)
+    in_query = RedisStore(f"redis://{user}@{host_port}/0?password={secret}", prefix=prefix)
+    try:
+        assert repr(store) == f"RedisStore('redis://{user}:***@{host_port}/0', prefix={prefix!r})"
+        assert repr(async_store) == repr(store).replace("RedisStore", "AsyncRedisStore", 1)
+        assert secret not in repr(in_query)
+        assert "password=***" in repr(in_query)
+    finally:
+        in_query.close()
+        store.close()
+    with pytest.raises(StoreError) as closed:
+        store.get(NS, "k")
+    failures = [closed.value]
+    for attempt in (
+        lambda: RedisStore(f"redis://{user}:{secret}@127.0.0.1:1/0"),  # connection refused
+        lambda: RedisStore(f"redis://{user}:{secret}x@{host_port}/0"),  # authentication fails
+        lambda: RedisStore(f"redis://{user}:{secret}@{host_port}/0?prefix=p"),  # misused option
+        lambda: RedisStore(f"redis://{user}:{secret}@{host_port}/0?bogus=1"),  # unknown option
+    ):
+        with pytest.raises((StoreError, ValueError)) as failed:
+            attempt()
+        failures.append(failed.value)
+    for failure in failures:
+        text = error_text(failure)
+        assert secret not in text
+    assert f"{user}:***@" in str(failures[1])

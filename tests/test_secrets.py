@@ -20,6 +20,7 @@ from twiceshy.stores import redacted_url
             "postgresql://app@db/ledger?password=***&sslmode=require",
         ),
         ("redis://h:99999999/0?PASSWORD=x#top", "redis://h:99999999/0?PASSWORD=***#top"),
+        ("rediss://h/0?ssl_password=x&ssl=1", "rediss://h/0?ssl_password=***&ssl=1"),
         ("sqlite:///var/lib/ledger.db", "sqlite:///var/lib/ledger.db"),
         ("postgresql://app@db/ledger", "postgresql://app@db/ledger"),
     ],

@@ -22,6 +22,7 @@ from ._protocol import DidNotHappen, Happened, exponential_backoff
 from ._records import CallEvent, Change, Effect, Outcome, Record, Snapshot, State
 from ._scope import current_key, current_scope, inherited_scope, point_of_no_return, run
 from .errors import (
+    EvictionPolicyRefused,
     FencedOut,
     InProgress,
     KeyReuseMismatch,
@@ -62,6 +63,7 @@ __all__ = [
     "Change",
     "DidNotHappen",
     "Effect",
+    "EvictionPolicyRefused",
     "FencedOut",
     "Guard",
     "Happened",

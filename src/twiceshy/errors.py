@@ -20,6 +20,7 @@
     └── StoreError                          the ledger misbehaved
         ├── StoreUnavailable (ConnectionError)  the ledger cannot be reached
         ├── LedgerNotFound                  opened not to create one, there is no ledger there
+        ├── EvictionPolicyRefused           a Redis server that may evict the ledger's records
         └── OutcomeNotRecorded              the tool ran; the ledger failed to record how it ended
 
 ``OutcomeUnknown``, ``InProgress`` and a replayed ``ResultNotStorable`` carry a message written
@@ -32,6 +33,7 @@ from __future__ import annotations
 import datetime as _dt
 
 __all__ = [
+    "EvictionPolicyRefused",
     "FencedOut",
     "InProgress",
     "KeyReuseMismatch",
@@ -306,6 +308,16 @@ class LedgerNotFound(StoreError):
     no twiceshy ledger; nothing was written there.
 
     The message names the place looked at: ``no twiceshy ledger at <where>: <why>``.
+    """
+
+
+class EvictionPolicyRefused(StoreError):
+    """The Redis server may evict the ledger's records: its ``maxmemory-policy`` is not
+    ``noeviction``, or cannot be read. Nothing was written.
+
+    An evicted claim or outcome lets a retry run the work again, an UNSAFE tool included. The
+    message names the policy and how to set ``noeviction``; ``allow_eviction=1`` in the URL
+    accepts the risk.
     """
 
 

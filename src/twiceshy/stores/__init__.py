@@ -305,7 +305,8 @@ def redacted_url(url: str) -> str:
     parts = []
     for pair in query.split("&"):
         name, equals, _ = pair.partition("=")
-        if equals and name.lower() in _SECRET_PARAMS:
+        lowered = name.lower()
+        if equals and (lowered in _SECRET_PARAMS or "password" in lowered):
             pair = f"{name}=***"
         parts.append(pair)
     return f"{head}?{'&'.join(parts)}{hash_mark}{fragment}"

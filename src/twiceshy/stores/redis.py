@@ -9,8 +9,10 @@ URLs:
     ``unix:///path/to/redis.sock?db=0``, with redis-py's own query options (``socket_timeout``,
     ``client_name``, ``ssl_ca_certs``, ...) and these of twiceshy's, taken out of the URL before
     redis-py sees it: ``prefix`` (the key prefix, default ``twiceshy``), ``wait_replicas``,
-    ``wait_timeout`` and ``reread_interval`` (see :class:`RedisStore`). Example:
-    ``redis://127.0.0.1:6379/0?prefix=shop&wait_replicas=1``.
+    ``wait_timeout``, ``reread_interval`` and ``allow_eviction`` (see :class:`RedisStore` and
+    "Eviction"). Example: ``redis://127.0.0.1:6379/0?prefix=shop&wait_replicas=1``. A store's
+    ``repr()`` and its errors show the URL with its secrets as ``***`` (``redis://user:***@host``,
+    ``?password=***``; see :func:`twiceshy.stores.redacted_url`).
 
 Key layout:
     One hash per record, ``{prefix}:{<namespace>:<key>}:rec``, where namespace and key are
@@ -55,6 +57,25 @@ Retention:
     that still counts (a retry would run the work again). Such records stay until
     :meth:`RedisStore.purge_expired` deletes them.
 
+Eviction:
+    A record Redis evicts is a record forgotten: an evicted claim or outcome lets the next call
+    with its key run the work again, an UNSAFE tool included. Settled outcomes carry a real TTL
+    (see "Retention"), so ``volatile-*`` policies evict them long before their retention, and
+    ``allkeys-*`` policies also evict claims and UNKNOWN records. The store therefore reads the
+    server's ``maxmemory-policy`` when it opens (``CONFIG GET``; where ``CONFIG`` is disabled or
+    renamed, as on managed Redis, the ``maxmemory_policy`` line of ``INFO memory``) and raises
+    :class:`EvictionPolicyRefused` for any policy but ``noeviction`` — whatever ``maxmemory`` is
+    now, since it can be set at any time without a restart. A policy neither command can read
+    (an ACL user with neither ``CONFIG`` nor ``INFO``) is refused too: the managed services'
+    default is ``volatile-lru``, so an unknown policy is likely one that evicts, and a refusal
+    costs one URL option while a silent second run of a payment cannot be undone. Whoever accepts
+    the risk opens with ``allow_eviction=1`` (``allow_eviction=True``), logged as a WARNING each
+    time it lets a store open that would otherwise be refused. The policy is checked once, at
+    open: a change of it afterwards goes unseen. With ``noeviction`` a full server refuses
+    writes instead: a call then fails with :class:`~twiceshy.StoreError` before its tool runs
+    (or, if its outcome cannot be written, is left for the lease and UNKNOWN), and nothing that
+    was recorded is forgotten.
+
 Waiters:
     A guarded write that settles a record or moves it to a new fence ``PUBLISH``es on the record's
     wake channel in the same script, only when it applied (a ``PUBLISH`` that fails, e.g. for an
@@ -89,7 +110,12 @@ Errors:
     :class:`~twiceshy.StoreUnavailable`, any other ``RedisError`` (and text that is not UTF-8)
     :class:`~twiceshy.StoreError`, chained from the original. A store fails fast: the
     constructor sends ``PING`` within ``socket_timeout`` and raises ``StoreUnavailable`` when
-    nothing answers, so a ledger never runs a tool unprotected.
+    nothing answers, so a ledger never runs a tool unprotected; it raises
+    :class:`EvictionPolicyRefused` (a ``StoreError``) for a server that may evict records (see
+    "Eviction"). A key under the prefix that is not a record of this store (a string, a list, a
+    hash of someone else's) is skipped by :meth:`RedisStore.records` and
+    :meth:`RedisStore.purge_expired` (counted in a DEBUG line of the ``twiceshy`` logger); read
+    by its own name, it is an error, never "no record".
 
 Guarantee level:
     Redis acknowledges a write before any replica has it. If the primary fails over right after a
@@ -142,7 +168,8 @@ from redis.retry import Retry
 
 from .._forks import reset_in_children
 from .._records import Change, Effect, Record, Snapshot, State
-from ..errors import StoreError, StoreUnavailable
+from ..errors import EvictionPolicyRefused, StoreError, StoreUnavailable
+from . import redacted_url
 
 __all__ = [
     "CLAIM_SCRIPT",
@@ -150,6 +177,7 @@ __all__ = [
     "READ_SCRIPT",
     "WRITE_SCRIPT",
     "AsyncRedisStore",
+    "EvictionPolicyRefused",
     "RedisStore",
     "open_redis",
 ]
@@ -335,11 +363,13 @@ PURGE_SCRIPT: Final = (
     + """
 -- Delete a SUCCEEDED, FAILED or RELEASED record past its retention; answer 1 if deleted.
 -- KEYS[1]: the record's hash. ARGV: [1] clock ("" = TIME).
+-- A key that is no hash is someone else's (HGET on it would fail the whole purge): left alone.
 local now = clock(ARGV[1])
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return 0 end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'succeeded' and state ~= 'failed' and state ~= 'released' then return 0 end
-local expires = redis.call('HGET', KEYS[1], 'expires_at')
-if not expires or tonumber(expires) > now then return 0 end
+local expires = tonumber(redis.call('HGET', KEYS[1], 'expires_at'))
+if not expires or expires > now then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 """
@@ -354,7 +384,12 @@ T = TypeVar("T")
 
 log = logging.getLogger("twiceshy")
 
-_URL_OPTIONS: Final = frozenset({"prefix", "wait_replicas", "wait_timeout", "reread_interval"})
+_URL_OPTIONS: Final = frozenset(
+    {"prefix", "wait_replicas", "wait_timeout", "reread_interval", "allow_eviction"}
+)
+_BOOLEANS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_SAFE_POLICY: Final = "noeviction"
+_SHOWN_SKIPPED: Final = 5  # how many names of keys that are no records a DEBUG line shows
 _SCAN_COUNT: Final = 500
 _IDLE_SUBSCRIBER: Final = 10.0  # seconds without waiters before the reader thread ends
 _READ_POLL: Final = 0.5  # the reader thread's longest sleep between checks of its state
@@ -476,6 +511,41 @@ def _select(
     return chosen if limit is None else chosen[: max(limit, 0)]
 
 
+def _shown(name: bytes | str) -> str:
+    """A key's name for a log line, whatever its bytes."""
+    return name.decode(errors="backslashreplace") if isinstance(name, bytes) else name
+
+
+def _readable(names: list[Any], replies: list[Any]) -> list[Record]:
+    """The records among ``HGETALL`` replies (``raise_on_error=False``), skipping what is not one.
+
+    A key under the prefix may be someone else's: a string or a list (``WRONGTYPE``), or a hash
+    without a record's fields. Listing skips it, so that one foreign key cannot hide every
+    record from ``twiceshy ls`` and the reconciler; any other error is raised.
+    """
+    found: list[Record] = []
+    skipped: list[str] = []
+    for name, reply in zip(names, replies, strict=True):
+        if isinstance(reply, ResponseError):
+            if not str(reply).startswith("WRONGTYPE"):
+                raise reply
+            skipped.append(_shown(name))
+            continue
+        if not reply:
+            continue  # deleted between the scan and the read
+        try:
+            found.append(_record({_text(k): _text(v) for k, v in reply.items()}))
+        except (StoreError, UnicodeError):
+            skipped.append(_shown(name))
+    if skipped:
+        log.debug(
+            "Redis ledger: skipped %d key(s) under the prefix that are not records, e.g. %s",
+            len(skipped),
+            ", ".join(repr(n) for n in skipped[:_SHOWN_SKIPPED]),
+        )
+    return found
+
+
 def _unavailable(what: str, exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"Redis ledger unreachable ({what}): {exc}")
 
@@ -511,6 +581,14 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
             continue
         if name in options:
             raise ValueError(f"Redis ledger URL repeats {name!r}")
+        if name == "allow_eviction":
+            if value.lower() not in _BOOLEANS:
+                raise ValueError(
+                    f"Redis ledger URL option allow_eviction={value!r}: expected 1 (accept a "
+                    "server that may evict records) or 0"
+                )
+            options[name] = _BOOLEANS[value.lower()]
+            continue
         try:
             options[name] = int(value) if name == "wait_replicas" else value
             if name in ("wait_timeout", "reread_interval"):
@@ -520,6 +598,29 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
     kept_query = urlencode(kept, quote_via=quote)
     plain = base + ("?" + kept_query if kept_query else "") + hash_sign + fragment
     return plain, options
+
+
+def _eviction_policy(client: redis.Redis) -> tuple[str | None, str]:
+    """The server's ``maxmemory-policy``, or ``None`` and why it could not be read."""
+    why: list[str] = []
+    try:
+        reply = cast(Mapping[Any, Any], client.config_get("maxmemory-policy"))
+        found = {_text(k): _text(v) for k, v in reply.items()}
+    except ResponseError as exc:  # disabled or renamed (managed Redis), or not granted (ACL)
+        why.append(f"CONFIG GET: {exc}")
+    else:
+        if found.get("maxmemory-policy"):
+            return found["maxmemory-policy"].lower(), ""
+        why.append("CONFIG GET answered no maxmemory-policy")
+    try:
+        policy = client.info("memory").get("maxmemory_policy")
+    except ResponseError as exc:
+        why.append(f"INFO: {exc}")
+    else:
+        if policy:
+            return str(policy).lower(), ""
+        why.append("INFO memory shows no maxmemory_policy")
+    return None, "; ".join(why)
 
 
 # -- settings and the subscriber, shared by the sync and async stores -----------------------
@@ -832,11 +933,12 @@ class _Core:
         wait_timeout: float | timedelta,
         reread_interval: float | timedelta,
         client_name: str | None,
+        allow_eviction: bool,
     ) -> None:
         if set(dict(parse_qsl(urlsplit(url).query))) & _URL_OPTIONS:
             raise ValueError(
-                f"{url!r} carries twiceshy options: open it with RedisStore.from_url() or "
-                "open_redis(), or pass them as keyword arguments"
+                f"{redacted_url(url)!r} carries twiceshy options: open it with "
+                "RedisStore.from_url() or open_redis(), or pass them as keyword arguments"
             )
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"a Redis ledger prefix must not contain braces: {prefix!r}")
@@ -862,6 +964,7 @@ class _Core:
         # (a new connection) after the first, and must still find the write it recognises.
         self.expiry_grace = 2 * self.socket_timeout + 1.0
         self.client_name = client_name
+        self.allow_eviction = allow_eviction
         self.closed = False
         self._lock = threading.Lock()
         self._subscriber: _Subscriber | None = None
@@ -870,8 +973,12 @@ class _Core:
         self.client = redis.Redis(connection_pool=self.pool)
         try:
             self.client.ping()
+            self._check_eviction(*_eviction_policy(self.client))
             for text in _SCRIPTS:
                 self.client.script_load(text)
+        except EvictionPolicyRefused:
+            self.pool.disconnect()
+            raise
         except (RedisError, OSError) as exc:
             self.pool.disconnect()
             raise _store_error(f"open {self.safe_url}", exc) from exc
@@ -880,6 +987,36 @@ class _Core:
             # refuses it when the first connection is made.
             self.pool.disconnect()
             raise ValueError(f"Redis ledger URL {self.safe_url}: {exc}") from None
+
+    def _check_eviction(self, policy: str | None, why: str) -> None:
+        """Refuse a server that may evict records, unless ``allow_eviction`` accepts it."""
+        if policy == _SAFE_POLICY:
+            return
+        consequence = (
+            "an evicted claim or outcome lets a retry run the work again, an UNSAFE tool included"
+        )
+        if policy is None:
+            risk = f"its maxmemory-policy cannot be read ({why})"
+            remedy = "Let the ledger's user read it (ACL: +info), and make sure it is noeviction"
+        else:
+            risk = f"maxmemory-policy is {policy}, which lets Redis evict the ledger's records"
+            remedy = (
+                "Set it to noeviction: CONFIG SET maxmemory-policy noeviction, and "
+                "maxmemory-policy noeviction in redis.conf to keep it across restarts (on "
+                "managed Redis, in the server's parameters)"
+            )
+        if self.allow_eviction:
+            log.warning(
+                "Redis ledger %s: %s, and allow_eviction=1 accepts it: %s.",
+                self.safe_url,
+                risk,
+                consequence,
+            )
+            return
+        raise EvictionPolicyRefused(
+            f"Redis ledger {self.safe_url}: {risk}; {consequence}. {remedy}; or add "
+            "allow_eviction=1 to the ledger URL to accept the risk."
+        )
 
     def connection_options(self, retry: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -897,12 +1034,8 @@ class _Core:
 
     @property
     def safe_url(self) -> str:
-        """The URL without its password."""
-        parts = urlsplit(self.url)
-        netloc = parts.hostname or ""
-        if parts.port is not None:
-            netloc += f":{parts.port}"
-        return f"{parts.scheme}://{netloc}{parts.path}"
+        """The URL with its secrets shown as ``***`` (see :func:`twiceshy.stores.redacted_url`)."""
+        return redacted_url(self.url)
 
     # -- names and arguments (no I/O) -------------------------------------------------------
 
@@ -1038,9 +1171,13 @@ class RedisStore:
             ``wait_replicas`` is set.
         reread_interval: how often a waiter re-reads the record when no wake-up arrives.
         client_name: the name of every connection (``CLIENT SETNAME``), for operators.
+        allow_eviction: open even where the server's ``maxmemory-policy`` may evict records
+            (or cannot be read), logging a WARNING: an evicted claim or outcome lets a retry
+            run the work again (see "Eviction" in the module's docstring).
 
     Raises:
         StoreUnavailable: the server does not answer ``PING`` within ``socket_timeout``.
+        EvictionPolicyRefused: the server may evict records, and ``allow_eviction`` is not set.
         StoreError: the server answers, but refuses (authentication, scripts disabled...).
         ValueError: a setting is out of range, or the URL carries twiceshy options.
     """
@@ -1056,6 +1193,7 @@ class RedisStore:
         wait_timeout: float | timedelta = 1.0,
         reread_interval: float | timedelta = 1.0,
         client_name: str | None = None,
+        allow_eviction: bool = False,
     ) -> None:
         self._core = _Core(
             url,
@@ -1066,6 +1204,7 @@ class RedisStore:
             wait_timeout=wait_timeout,
             reread_interval=reread_interval,
             client_name=client_name,
+            allow_eviction=allow_eviction,
         )
         client = self._core.client
         self._claim = client.register_script(CLAIM_SCRIPT)
@@ -1077,12 +1216,14 @@ class RedisStore:
     def from_url(cls, url: str, *, clock: Callable[[], float] | None = None) -> RedisStore:
         """Open the store a URL names, with twiceshy's options in its query.
 
-        ``prefix``, ``wait_replicas``, ``wait_timeout`` and ``reread_interval`` are taken out
-        of the query; the rest is redis-py's (e.g. ``client_name``, ``socket_timeout``).
+        ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval`` and
+        ``allow_eviction`` (``1`` or ``0``) are taken out of the query; the rest is redis-py's
+        (e.g. ``client_name``, ``socket_timeout``).
 
         Raises:
             ValueError: an option has no valid value.
             StoreUnavailable: the server cannot be reached.
+            EvictionPolicyRefused: the server may evict records (see "Eviction").
         """
         redis_url, options = split_url(url)
         return cls(redis_url, clock=clock, **options)
@@ -1235,11 +1376,7 @@ class RedisStore:
         pipe = self._core.client.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(name)
-        return [
-            _record({_text(k): _text(v) for k, v in fields.items()})
-            for fields in pipe.execute()
-            if fields
-        ]
+        return _readable(names, pipe.execute(raise_on_error=False))
 
     def purge_expired(self, namespace: str | None = None) -> int:
         """See :meth:`twiceshy.stores.Store.purge_expired`.
@@ -1352,6 +1489,7 @@ class AsyncRedisStore:
 
     Raises:
         StoreUnavailable: the server does not answer ``PING`` within ``socket_timeout``.
+        EvictionPolicyRefused: the server may evict records, and ``allow_eviction`` is not set.
         ValueError: a setting is out of range.
     """
 
@@ -1366,6 +1504,7 @@ class AsyncRedisStore:
         wait_timeout: float | timedelta = 1.0,
         reread_interval: float | timedelta = 1.0,
         client_name: str | None = None,
+        allow_eviction: bool = False,
     ) -> None:
         core = _Core(
             url,
@@ -1376,6 +1515,7 @@ class AsyncRedisStore:
             wait_timeout=wait_timeout,
             reread_interval=reread_interval,
             client_name=client_name,
+            allow_eviction=allow_eviction,
         )
         self._setup(core, owns_core=True)
 
@@ -1560,12 +1700,11 @@ class AsyncRedisStore:
             ]
             found: list[Record] = []
             for start in range(0, len(names), _SCAN_COUNT):
+                batch = names[start : start + _SCAN_COUNT]
                 pipe = client.pipeline(transaction=False)
-                for name in names[start : start + _SCAN_COUNT]:
+                for name in batch:
                     pipe.hgetall(name)
-                for fields in await pipe.execute():
-                    if fields:
-                        found.append(_record({_text(k): _text(v) for k, v in fields.items()}))
+                found += _readable(batch, await pipe.execute(raise_on_error=False))
             now = core.scan_now(await client.time() if core.clock is None else None)
             return _select(found, namespace, now, states, tool, limit)
 
@@ -1609,6 +1748,7 @@ def open_redis(url: str) -> tuple[RedisStore, AsyncRedisStore]:
     Raises:
         ValueError: a twiceshy option in the URL has no valid value.
         StoreUnavailable: the server does not answer.
+        EvictionPolicyRefused: the server may evict records, and the URL does not accept it.
     """
     store = RedisStore.from_url(url)
     return store, AsyncRedisStore.twin(store)
