@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +23,7 @@ from twiceshy.stores.sqlite import SQLiteStore, has_wal_reset_bug
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
-    from multiprocessing.synchronize import Barrier
+    from multiprocessing.synchronize import Barrier, Event
 
 NS = "ns"
 KEY = "key"
@@ -106,16 +109,83 @@ def test_wal_when_forced(db: Path) -> None:
         store.close()
 
 
-def test_synchronous_is_full_by_default(db: Path) -> None:
-    """Every connection runs with synchronous=FULL unless told otherwise."""
-    store = SQLiteStore(db)
+def _pragma_synchronous(store: SQLiteStore) -> str:
+    with store._connection() as conn:
+        level = conn.execute("PRAGMA synchronous").fetchone()[0]
+    return ("OFF", "NORMAL", "FULL", "EXTRA")[level]
+
+
+POWER_CUT = "a power cut may lose claims"
+
+
+@pytest.mark.parametrize("journal_mode", [None, "wal", "delete", "truncate"])
+def test_synchronous_survives_a_power_cut_by_default(
+    db: Path, journal_mode: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By default a connection runs EXTRA in the rollback journal and FULL in WAL, quietly."""
+    store = SQLiteStore(db, journal_mode=journal_mode)
     try:
-        assert store.synchronous == "FULL"
+        expected = "FULL" if store.journal_mode == "wal" else "EXTRA"
+        assert store.synchronous == expected
+        assert _pragma_synchronous(store) == expected
         with store._connection() as conn:
-            assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
             assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
     finally:
         store.close()
+    assert POWER_CUT not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("journal_mode=wal&synchronous=extra", "EXTRA"),
+        ("journal_mode=delete&synchronous=Extra", "EXTRA"),
+        ("journal_mode=truncate&synchronous=full", "FULL"),
+    ],
+)
+def test_a_durable_synchronous_set_in_the_url_wins_without_a_warning(
+    db: Path, query: str, expected: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A synchronous setting the URL names is the one every connection runs."""
+    store = SQLiteStore.from_url(f"sqlite:///{db}?{query}")
+    try:
+        assert store.synchronous == expected
+        assert _pragma_synchronous(store) == expected
+    finally:
+        store.close()
+    assert POWER_CUT not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("journal_mode", "synchronous"),
+    [
+        ("delete", "OFF"),
+        ("delete", "NORMAL"),
+        ("delete", "FULL"),  # the journal's unlink is the commit, and FULL does not sync it
+        ("truncate", "NORMAL"),
+        ("wal", "NORMAL"),
+        ("wal", "OFF"),
+    ],
+)
+def test_a_synchronous_that_may_lose_claims_is_used_with_a_warning(
+    db: Path, journal_mode: str, synchronous: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A synchronous weaker than power loss needs is what runs, and a WARNING says what it risks."""
+    url = f"sqlite:///{db}?journal_mode={journal_mode}&synchronous={synchronous.lower()}"
+    with caplog.at_level(logging.WARNING, logger="twiceshy"):
+        store = SQLiteStore.from_url(url)
+    try:
+        assert store.synchronous == synchronous
+        assert _pragma_synchronous(store) == synchronous
+        assert _claim(store, "alice").won
+    finally:
+        store.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert POWER_CUT in message
+    assert f"synchronous={synchronous}" in message
+    assert str(db) in message
 
 
 def test_from_url_paths_and_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,7 +256,102 @@ def test_bad_settings_are_refused(db: Path, settings: dict[str, Any]) -> None:
         SQLiteStore(db, **settings)
 
 
+@pytest.mark.parametrize("value", ["1e309", "-1e309", "inf", "nan", "-1", "2147484", "soon", ""])
+def test_a_bad_busy_timeout_in_the_url_is_a_value_error_naming_it(
+    value: str, tmp_path: Path
+) -> None:
+    """busy_timeout= that SQLite cannot wait for (huge, NaN, negative, text) is a ValueError."""
+    with pytest.raises(ValueError, match="busy_timeout"):
+        SQLiteStore.from_url(f"sqlite:///{tmp_path / 'state' / 'ledger.db'}?busy_timeout={value}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        (-0.5, ValueError),
+        (10**400, ValueError),
+        (timedelta(days=30), ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_a_bad_busy_timeout_argument_is_refused_naming_it(
+    value: Any, error: type[Exception], db: Path
+) -> None:
+    """busy_timeout= out of range is a ValueError, of another type a TypeError; both name it."""
+    with pytest.raises(error, match="busy_timeout"):
+        SQLiteStore(db, busy_timeout=value)
+    assert not db.parent.exists()
+
+
+def test_the_largest_busy_timeout_opens(db: Path) -> None:
+    """busy_timeout up to SQLite's limit (about 24 days) is what SQLite waits."""
+    store = SQLiteStore(db, busy_timeout=timedelta(seconds=2_147_483))
+    try:
+        with store._connection() as conn:
+            assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2_147_483_000
+    finally:
+        store.close()
+
+
 # -- files ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The common umask, under which SQLite would make world-readable files."""
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.usefixtures("umask_022")
+@pytest.mark.parametrize("journal_mode", ["delete", "wal"])
+def test_new_ledger_files_and_directories_are_private(tmp_path: Path, journal_mode: str) -> None:
+    """The store makes its directories 0700 and its files 0600; existing directories keep theirs."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    db = shared / "a" / "b" / "ledger.db"
+    store = SQLiteStore(db, journal_mode=journal_mode)
+    try:
+        assert _claim(store, "alice").won
+        assert _mode(shared) == 0o755
+        assert _mode(shared / "a") == 0o700
+        assert _mode(shared / "a" / "b") == 0o700
+        made = sorted(p.name for p in db.parent.iterdir())
+        if journal_mode == "wal":
+            assert made == ["ledger.db", "ledger.db-shm", "ledger.db-wal"]
+        for name in made:
+            assert _mode(db.parent / name) == 0o600, name
+        # The file made at the path when the old one is deleted is private too.
+        _remove_ledger_files(db)
+        assert _claim(store, "bob").won
+        assert _mode(db) == 0o600
+    finally:
+        store.close()
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_an_existing_ledger_file_keeps_its_mode(tmp_path: Path) -> None:
+    """A ledger file that is already there is opened as it is, its mode unchanged."""
+    db = tmp_path / "ledger.db"
+    SQLiteStore(db).close()
+    db.chmod(0o640)
+    store = SQLiteStore(db)
+    try:
+        assert _claim(store, "alice").won
+        assert _mode(db) == 0o640
+    finally:
+        store.close()
 
 
 def test_unreachable_path_raises_at_construction(tmp_path: Path) -> None:
@@ -593,6 +758,189 @@ def test_a_replaced_ledger_file_is_followed_by_an_open_store(db: Path) -> None:
         assert snap.record is not None
         assert snap.record.owner == "restored"
         assert store.get(NS, KEY).record is None  # the old file's record went with it
+    finally:
+        store.close()
+
+
+def _calls_after_the_rm(store: SQLiteStore, results: Queue[tuple[Any, ...]]) -> None:
+    try:
+        # A forked child holds no connection: its first call opens one on the file at the path.
+        before = store.get(NS, KEY).record
+        snap = _claim(store, "child", key="after")
+        results.put(("ok", before is None, snap.won))
+    except BaseException as exc:
+        results.put(("error", repr(exc)))
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+def test_a_process_whose_ledger_was_deleted_makes_a_new_one_and_the_others_follow(
+    db: Path,
+) -> None:
+    """After ``rm``, a process with no connection yet reads and claims in a new ledger there."""
+    store = SQLiteStore(db)
+    try:
+        assert _claim(store, "parent").won
+        _remove_ledger_files(db)
+        # Without the fix: "no such table: twiceshy_records" in an empty file made by connecting.
+        assert _in_forked_child(_calls_after_the_rm, store) == ("ok", True, True)
+        snap = _claim(store, "parent", key="after")
+        assert not snap.won
+        assert snap.record is not None
+        assert snap.record.owner == "child"
+        assert store.get(NS, KEY).record is None  # the parent follows the new file too
+    finally:
+        store.close()
+
+
+def test_a_new_file_under_the_deleted_ones_number_is_made_a_ledger(
+    db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An empty file made at the path, numbered as the deleted ledger was, gets the tables."""
+    store = SQLiteStore(db, busy_timeout=0.05)
+    try:
+        assert _claim(store, "alice").won
+        # A call that cannot get the lock discards its connection: the store now holds none.
+        blocker = sqlite3.connect(db, isolation_level=None)
+        try:
+            blocker.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(StoreUnavailable):
+                _claim(store, "bob", key="other")
+            blocker.execute("ROLLBACK")
+        finally:
+            blocker.close()
+        number = db.stat().st_ino
+        _remove_ledger_files(db)
+        # An empty file at the path, as a process connecting to it leaves, under the old number
+        # (ext4 gives a freed number to the next new file; others may take it first).
+        for attempt in range(50):
+            candidate = db.with_name(f"candidate-{attempt}")
+            candidate.touch()
+            if candidate.stat().st_ino == number:
+                candidate.rename(db)
+                break
+        else:
+            pytest.skip("this file system gave no new file the deleted one's number")
+        for candidate in db.parent.glob("candidate-*"):
+            candidate.unlink()
+        # Without the fix the store saw the same file and failed every call: "no such table".
+        assert store.get(NS, KEY).record is None
+        assert _claim(store, "carol").won
+        assert store.records(NS)[0].owner == "carol"
+        assert "deleted or replaced" in caplog.text
+    finally:
+        store.close()
+
+
+def _call_while_deleted(
+    path: str,
+    name: str,
+    threads: int,
+    calls: int,
+    journal_mode: str | None,
+    start: Barrier,
+    deleted: Event,
+    results: Queue[tuple[Any, ...]],
+) -> None:
+    """Claim, settle and read in ``threads`` threads while the file is deleted; then claim once."""
+    try:
+        store = SQLiteStore(path, journal_mode=journal_mode)
+        outcomes: list[tuple[str, str]] = []  # ("ok", "") or (error type, message)
+
+        def loop(thread: int) -> None:
+            for i in range(calls):
+                key = f"{name}-{thread}-{i}"
+                try:
+                    snap = _claim(store, name, key=key)
+                    if snap.won:
+                        change = Change(
+                            snap.record.fence if snap.record else 1,
+                            frozenset({State.CLAIMED}),
+                            State.SUCCEEDED,
+                            owner=name,
+                            result="1",
+                        )
+                        store.write(NS, key, change)
+                    store.get(NS, key)
+                    outcomes.append(("ok", ""))
+                except Exception as exc:
+                    outcomes.append((type(exc).__name__, str(exc)))
+
+        start.wait(timeout=30)
+        workers = [threading.Thread(target=loop, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=120)
+        # Once the deleting is over, every process claims one key in the file at the path.
+        deleted.wait(timeout=60)
+        snap = _claim(store, name, key="final")
+        final = (snap.won, snap.record.owner if snap.record else None)
+        store.close()
+        results.put((name, outcomes, final))
+    except BaseException as exc:
+        start.abort()
+        results.put((name, [("crashed", repr(exc))], (False, None)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method"
+)
+@pytest.mark.parametrize("journal_mode", [None, "wal"], ids=["default", "wal"])
+def test_calls_while_the_ledger_is_deleted_never_meet_a_missing_table(
+    db: Path, journal_mode: str | None
+) -> None:
+    """3 processes of 3 threads call while the file is deleted 20 times: no missing table.
+
+    Every call succeeds or raises StoreUnavailable saying the file was deleted under it; when
+    the deleting stops, all processes claim in one file: exactly one of them wins.
+    """
+    processes, threads, calls = 3, 3, 60
+    SQLiteStore(db, journal_mode=journal_mode).close()
+    ctx = multiprocessing.get_context("fork")
+    start, deleted = ctx.Barrier(processes + 1), ctx.Event()
+    results: Queue[tuple[Any, ...]] = ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_call_while_deleted,
+            args=(str(db), f"p{i}", threads, calls, journal_mode, start, deleted, results),
+        )
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        start.wait(timeout=30)
+        for _ in range(20):
+            time.sleep(0.01)
+            _remove_ledger_files(db)
+        deleted.set()
+        answers = [results.get(timeout=120) for _ in range(processes)]
+        for worker in workers:
+            worker.join(timeout=30)
+            assert worker.exitcode == 0
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+        results.close()
+        results.join_thread()
+    outcomes = [outcome for _, got, _ in answers for outcome in got]
+    assert len(outcomes) == processes * threads * calls
+    failures = [outcome for outcome in outcomes if outcome[0] != "ok"]
+    assert not [f for f in failures if "no such table" in f[1]]
+    assert [f for f in failures if f[0] != "StoreUnavailable" or "deleted" not in f[1]] == []
+    finals = [final for _, _, final in answers]
+    assert sum(won for won, _ in finals) == 1
+    (winner,) = {owner for _, owner in finals}
+    store = SQLiteStore(db, journal_mode=journal_mode)
+    try:
+        record = store.get(NS, "final").record
+        assert record is not None
+        assert record.owner == winner
     finally:
         store.close()
 

@@ -4,15 +4,24 @@ Only the standard library's :mod:`sqlite3` is used. Every claim and every guarde
 ``BEGIN IMMEDIATE`` transaction holding one conditional statement, so two callers can never both
 win: SQLite admits one writer at a time, and the statement itself checks the guard.
 
-Journal mode:
-    The default is WAL with ``synchronous=FULL`` (a committed claim survives power loss). SQLite
-    releases before 3.44.6, 3.45.0 to 3.50.6, and 3.51.0 to 3.51.2 carry the WAL-reset bug: a
-    WAL reset racing a concurrent writer may lose committed transactions, which for a ledger
-    means a lost claim and a double run. On those versions the store falls back to the rollback
-    journal (``DELETE``): slower under concurrent readers and writers, always correct, and it
-    keeps the core on the standard library. The alternative, apsw with a bundled fixed SQLite,
-    was not taken so the core needs no third-party package. ``journal_mode="wal"`` forces WAL
-    anyway; :attr:`SQLiteStore.journal_mode` tells which mode is in effect.
+Journal mode and durability:
+    A claim is acknowledged only once it would survive a power cut. In WAL that takes
+    ``synchronous=FULL`` (the log is synced at every commit). In the rollback journal a commit
+    is the journal's unlink, which FULL leaves unsynced, so a power cut can bring the journal
+    back and undo an acknowledged claim: there the store runs ``synchronous=EXTRA``, which
+    syncs the directory after the unlink. Those are the defaults, chosen for the mode in
+    effect; a ``synchronous`` set explicitly wins, and one below them is accepted with a
+    logged warning.
+
+    The default mode is WAL. SQLite releases before 3.44.6, 3.45.0 to 3.50.6, and 3.51.0 to
+    3.51.2 carry the WAL-reset bug: a WAL reset racing a concurrent writer may lose committed
+    transactions, which for a ledger means a lost claim and a double run. On those versions
+    the store falls back to the rollback journal (``DELETE``, with EXTRA): slower, always
+    correct, and the core stays on the standard library. The alternative, a package bundling
+    a fixed SQLite (apsw; pysqlite3-binary and sqlean.py bundle buggy releases), was measured
+    (``benchmarks/sqlite_durability.py``) and not taken, so the core needs no third-party
+    package. ``journal_mode="wal"`` forces WAL anyway; :attr:`SQLiteStore.journal_mode`
+    tells which mode is in effect.
 
 Clock:
     SQLite has no server clock. Lease deadlines and expiry use the store's ``clock``, by default
@@ -36,10 +45,19 @@ A file replaced or deleted under the store:
     SQLite's locks belong to the file a connection opened. If the ledger file is deleted or
     replaced (by a restore, or ``rm``) while processes hold it open, they would go on claiming
     in the old, unlinked file while new processes claim in the new one, and one intent could
-    run once in each. Before every write transaction the store compares the path's file with
-    the one its connections opened; when they differ it logs a warning, drops its connections
-    to the old file, and opens the file now at the path (creating a ledger there if there is
-    none), as every new process does.
+    run once in each. Before every operation the store compares the path's file with the one
+    its connections opened; when they differ it logs a warning, drops its connections to the
+    old file, and opens the file now at the path (creating a ledger there if there is none),
+    as every new process does. Every new connection also looks for the ledger's tables in the
+    file it opened and makes them where they are missing: a file system may give a new file
+    the number of a deleted one, so the comparison alone cannot see every new file. A call
+    whose file is deleted while it runs fails with :class:`~twiceshy.StoreUnavailable` saying
+    so; the next call follows the new file.
+
+Files:
+    A ledger file the store creates is private to its user (``0600``), as are the directories
+    it creates (``0700``): results may carry personal data. SQLite gives journals the mode of
+    their database. Files and directories that exist keep their modes.
 
 Opening without creating:
     With ``create=False`` no connection creates the file (they open it with ``mode=rw``), and
@@ -148,11 +166,15 @@ _SCHEMA: Final = (
 
 _SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
 
-# Whether a file holds a twiceshy ledger (create=False): a plain read of the schema.
-_COUNT_LEDGER_TABLES: Final = """
-    SELECT count(*) FROM sqlite_master
-    WHERE type = 'table' AND name IN ('twiceshy_meta', 'twiceshy_records')
+# Which of the ledger's tables a file holds: a plain read of the schema, before anything is
+# written (the journal mode included).
+_LEDGER_TABLES: Final = """
+    SELECT name FROM sqlite_master
+    WHERE type = 'table' AND name IN ('twiceshy_meta', 'twiceshy_records', 'twiceshy_counts')
 """
+# Without these two a file is no ledger; the call counts table is added where it is missing.
+_CORE_TABLES: Final = frozenset({"twiceshy_meta", "twiceshy_records"})
+_ALL_TABLES: Final = _CORE_TABLES | {"twiceshy_counts"}
 
 # A real (if idempotent) write: it makes a read-only file fail at construction, not at a claim.
 _TOUCH_SCHEMA_VERSION: Final = (
@@ -249,13 +271,32 @@ _PURGE: Final = f"""
 
 # --------------------------------------------------------------------------------------------
 
-_SYNCHRONOUS: Final = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
+_SYNCHRONOUS: Final = ("OFF", "NORMAL", "FULL", "EXTRA")  # weakest first
+# The weakest setting whose acknowledged commits survive a power cut, by journal mode. DELETE
+# commits by unlinking the journal, and only EXTRA syncs the directory after the unlink;
+# TRUNCATE and PERSIST commit by a change to the journal that FULL syncs; WAL by a frame of the
+# log that FULL syncs.
+_DURABLE: Final = {"wal": "FULL", "delete": "EXTRA", "truncate": "FULL", "persist": "FULL"}
+# SQLite holds the busy timeout as a 32-bit int of milliseconds.
+_MAX_BUSY_TIMEOUT: Final = 2_147_483
+_FILE_MODE: Final = 0o600
+_DIRECTORY_MODE: Final = 0o700
+# How often opening a connection is tried again when the file at the path is replaced while
+# it is opened, before the store gives up with StoreUnavailable.
+_OPEN_ATTEMPTS: Final = 5
 _JOURNAL_MODES: Final = frozenset({"wal", "delete", "truncate", "persist"})
 _MIN_VERSION: Final = (3, 35, 0)  # INSERT ... ON CONFLICT DO UPDATE ... RETURNING
 _IDLE_CONNECTIONS: Final = 4
 _SQLITE_BUSY: Final = 5
 _SQLITE_LOCKED: Final = 6
 _SQLITE_NOTADB: Final = 26
+_DELETED_CODES: Final = frozenset(
+    {
+        5898,  # SQLITE_IOERR_DELETE_NOENT: the journal was gone at the commit
+        1032,  # SQLITE_READONLY_DBMOVED: the file was unlinked since it was opened
+        1802,  # SQLITE_IOERR_FSTAT: no file at the path to give a new journal its mode
+    }
+)
 _POLL_FIRST: Final = 0.001
 _POLL_CAP: Final = 0.025
 
@@ -266,9 +307,10 @@ _FileId = tuple[int, int]
 
 
 class _Connection(sqlite3.Connection):
-    """A connection that remembers which file it opened."""
+    """A connection that remembers which file it opened, and whether it made the ledger there."""
 
     file: _FileId | None = None
+    made_ledger: bool = False
 
 
 # Primary result codes meaning "the file cannot be reached or used now".
@@ -295,8 +337,43 @@ def has_wal_reset_bug(version: Sequence[int]) -> bool:
     return v < (3, 44, 6) or (3, 45, 0) <= v < (3, 50, 7) or (3, 51, 0) <= v < (3, 51, 3)
 
 
-def _seconds(value: float | timedelta) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+def _busy_timeout(value: object) -> float:
+    """The busy timeout in seconds; a clear error naming the option for anything else."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = float("inf")
+    else:
+        raise TypeError(f"busy_timeout must be seconds or a timedelta, not {value!r}")
+    if not 0 <= seconds <= _MAX_BUSY_TIMEOUT:  # NaN fails both
+        raise ValueError(
+            f"busy_timeout must be from 0 to {_MAX_BUSY_TIMEOUT} seconds (about 24 days, the "
+            f"most SQLite can wait), not {value!r}"
+        )
+    return seconds
+
+
+def _make_directories(path: str) -> None:
+    """Make ``path`` and its missing parents, each private to the user.
+
+    ``os.makedirs`` gives its mode to the last directory only.
+    """
+    missing: list[str] = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, _DIRECTORY_MODE)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
 
 
 def _store_error(exc: sqlite3.Error) -> StoreError:
@@ -410,16 +487,47 @@ class _Lent:
                     conn.execute("COMMIT")
             except BaseException as failure:
                 self._discard()
-                _raise_mapped(failure)
+                self._raise_mapped(failure)
                 raise
             self.store._give_back(conn)
             return
         self._discard()
-        _raise_mapped(exc)
+        self._raise_mapped(exc)
 
     def _discard(self) -> None:
         _rollback_quietly(self.conn)
         self.conn.close()
+
+    def _raise_mapped(self, exc: BaseException) -> None:
+        """Raise a driver error as :class:`StoreError`; anything else goes on as it is."""
+        if isinstance(exc, sqlite3.Error) and (
+            _deleted_under(exc) or self.store._file_at_path() != self.conn.file
+        ):
+            # Deleted or replaced under the operation, whose error is then only a symptom. A
+            # file deleted during another process's write can also lose its tables to that
+            # process's journal, which SQLite plays back into the new file at the path.
+            raise StoreUnavailable(
+                f"SQLite ledger {self.store._where!r} was deleted or replaced while this call "
+                "used it, and the call failed; the next call uses the file now at that path, "
+                "making a ledger there if it holds none"
+            ) from exc
+        _raise_mapped(exc)
+
+
+def _deleted_under(exc: BaseException | None) -> bool:
+    """Whether a driver error is what a ledger file deleted during an operation causes.
+
+    The journal deleted under a transaction (by ``rm``, or by a process committing in a deleted
+    file, since journals are found by name); a write refused because the file was unlinked; a
+    table gone, played back to an empty file by another process's journal.
+    """
+    if not isinstance(exc, sqlite3.Error):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code in _DELETED_CODES or (
+        isinstance(exc, sqlite3.OperationalError)
+        and str(exc).startswith("no such table: twiceshy_")
+    )
 
 
 def _raise_mapped(exc: BaseException) -> None:
@@ -435,27 +543,31 @@ class SQLiteStore:
     """A :class:`~twiceshy.stores.Store` in one SQLite file.
 
     Args:
-        path: the database file; its parent directory is created.
+        path: the database file; its parent directory is created. New files are ``0600``,
+            new directories ``0700``.
         clock: the store's clock, seconds since the epoch (the wall clock by default).
-        synchronous: ``PRAGMA synchronous``: ``"FULL"`` (default), ``"EXTRA"``, ``"NORMAL"``,
-            ``"OFF"``. Anything below FULL may lose a committed claim on power loss.
+        synchronous: ``PRAGMA synchronous``: ``"EXTRA"``, ``"FULL"``, ``"NORMAL"``, ``"OFF"``.
+            ``None`` (the default) chooses the weakest that survives a power cut: FULL in WAL,
+            EXTRA in the rollback journal. A weaker one set here is used, with a logged
+            warning that a power cut may lose claims.
         journal_mode: ``None`` chooses WAL, or the rollback journal on SQLite versions with the
             WAL-reset bug; ``"wal"``, ``"delete"``, ``"truncate"``, ``"persist"`` force a mode.
         busy_timeout: how long to wait for another writer before failing with
-            :class:`~twiceshy.StoreUnavailable`.
+            :class:`~twiceshy.StoreUnavailable`, at most 2,147,483 seconds.
         create: make the file and its tables where there are none; ``False`` to open only a
             ledger that exists, writing nothing (not even the directory) where there is none.
 
     Attributes:
         path: the database file.
         journal_mode: the journal mode in effect (``"wal"`` or ``"delete"``, ...).
-        synchronous: the ``synchronous`` setting of every connection.
+        synchronous: the ``synchronous`` setting of every connection (``"EXTRA"``, ...).
 
     Raises:
         StoreUnavailable: the file cannot be opened, created or written.
         LedgerNotFound: with ``create=False``, the path holds no twiceshy ledger.
         StoreError: the file is not a twiceshy ledger this version can use.
         ValueError: a setting is not one of those above.
+        TypeError: ``busy_timeout`` is neither a number nor a timedelta.
     """
 
     def __init__(
@@ -463,7 +575,7 @@ class SQLiteStore:
         path: str | os.PathLike[str],
         *,
         clock: Callable[[], float] = time.time,
-        synchronous: str = "FULL",
+        synchronous: str | None = None,
         journal_mode: str | None = None,
         busy_timeout: float | timedelta = 30.0,
         create: bool = True,
@@ -474,11 +586,14 @@ class SQLiteStore:
                 f"SQLite ledger needs a file path, not {self.path!r} (use memory:// for a "
                 "ledger inside one process)"
             )
-        self.synchronous = synchronous.upper()
-        if self.synchronous not in _SYNCHRONOUS:
-            raise ValueError(
-                f"synchronous must be one of {sorted(_SYNCHRONOUS)}, not {synchronous!r}"
-            )
+        # None: chosen for the journal mode in effect, connection by connection (_connect).
+        self._asked_synchronous: str | None = None
+        if synchronous is not None:
+            if not isinstance(synchronous, str) or synchronous.upper() not in _SYNCHRONOUS:
+                raise ValueError(
+                    f"synchronous must be one of {', '.join(_SYNCHRONOUS)}, not {synchronous!r}"
+                )
+            self._asked_synchronous = synchronous.upper()
         if journal_mode is None:
             wanted = self._default_mode()
         else:
@@ -488,9 +603,8 @@ class SQLiteStore:
                     f"journal_mode must be one of {sorted(_JOURNAL_MODES)}, not {journal_mode!r}"
                 )
         self.journal_mode = wanted
-        self._busy_timeout = _seconds(busy_timeout)
-        if self._busy_timeout < 0:
-            raise ValueError("busy_timeout must not be negative")
+        self.synchronous = self._synchronous_for(wanted)
+        self._busy_timeout = _busy_timeout(busy_timeout)
         if sqlite3.sqlite_version_info < _MIN_VERSION:
             raise StoreError(
                 f"SQLite ledger needs SQLite >= {'.'.join(map(str, _MIN_VERSION))}, "
@@ -505,8 +619,9 @@ class SQLiteStore:
         # Opened by this name whatever the working directory later is.
         self._where = os.path.abspath(self.path)
         self._create = create
-        # What connections open: without create, a URI whose mode=rw never creates the file.
-        self._target = self._where if create else Path(self._where).as_uri() + "?mode=rw"
+        # What connections open: a URI whose mode=rw never creates the file. With create, the
+        # store creates it first (_make_file), private to the user, as SQLite would not.
+        self._target = Path(self._where).as_uri() + "?mode=rw"
         # The file the store's connections open; see _check_file().
         self._file: _FileId | None = None
         self._reopening = threading.Lock()
@@ -514,10 +629,21 @@ class SQLiteStore:
         if create:
             parent = os.path.dirname(self._where)
             try:
-                os.makedirs(parent, exist_ok=True)
+                _make_directories(parent)
             except OSError as exc:
                 raise StoreUnavailable(f"SQLite ledger: cannot create {parent!r}: {exc}") from exc
         self._open_file()
+        durable = _DURABLE.get(self.journal_mode, "EXTRA")
+        if _SYNCHRONOUS.index(self.synchronous) < _SYNCHRONOUS.index(durable):
+            log.warning(
+                "twiceshy: SQLite ledger %r runs with synchronous=%s in journal mode %r: a "
+                "power cut may lose claims already acknowledged (and an UNSAFE tool may then "
+                "run twice); set %s or stronger, or leave synchronous unset",
+                self._where,
+                self.synchronous,
+                self.journal_mode,
+                durable,
+            )
 
     @classmethod
     def from_url(
@@ -566,32 +692,119 @@ class SQLiteStore:
 
     # -- connections ------------------------------------------------------------------------
 
-    def _connect(self) -> _Connection:
-        try:
-            conn = sqlite3.connect(
-                self._target,
-                uri=not self._create,
-                timeout=self._busy_timeout,
-                isolation_level=None,
-                check_same_thread=False,
-                factory=_Connection,
-            )
-        except sqlite3.Error as exc:
-            raise _store_error(exc) from exc
+    def _connect(self, *, opening: bool) -> _Connection:
+        """A new connection to the file now at the path, which it names (``conn.file``).
+
+        A file deleted or replaced while it is opened is not an error: the file then at the
+        path is opened instead, up to :data:`_OPEN_ATTEMPTS` times.
+
+        Args:
+            opening: the store opens (or follows) the file: its schema is checked and brought
+                up to date. Else the ledger's tables are made only where the file lacks them (a
+                file made at the path since).
+        """
+        for _ in range(_OPEN_ATTEMPTS):
+            before = self._file_at_path()
+            if before is None:
+                if not self._create:
+                    raise LedgerNotFound(
+                        f"no twiceshy ledger at {self._where!r}: there is no such file"
+                    )
+                self._make_file()
+                before = self._file_at_path()
+                if before is None:
+                    continue  # deleted as soon as it was made
+            try:
+                conn = sqlite3.connect(
+                    self._target,
+                    uri=True,
+                    timeout=self._busy_timeout,
+                    isolation_level=None,
+                    check_same_thread=False,
+                    factory=_Connection,
+                )
+            except sqlite3.Error as exc:
+                if self._file_at_path() != before:
+                    continue  # deleted or replaced before SQLite opened it
+                raise _store_error(exc) from exc
+            try:
+                # SQLite cannot say which file a connection opened: it is the one at the path
+                # both before and after opening, else the path changed meanwhile and this
+                # connection is not used.
+                if self._file_at_path() != before:
+                    conn.close()
+                    continue
+                conn.file = before
+                self._prepare(conn, opening=opening)
+            except StoreError as exc:
+                conn.close()
+                if _deleted_under(exc.__cause__) or self._file_at_path() != before:
+                    continue  # the file went while it was being opened
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+        raise StoreUnavailable(
+            f"SQLite ledger {self._where!r}: the file at that path was deleted or replaced "
+            f"each of the {_OPEN_ATTEMPTS} times it was opened"
+        )
+
+    def _prepare(self, conn: _Connection, *, opening: bool) -> None:
+        """Set a new connection's pragmas; find (or make) the ledger's tables in its file."""
         try:
             conn.execute(f"PRAGMA busy_timeout = {round(self._busy_timeout * 1000)}")
-            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            # Read before anything is written, the journal mode included (create=False).
+            tables = self._ledger_tables(conn)
             # What runs, which may differ from what was asked (WAL refused by the file system).
             self.journal_mode = self._set_journal_mode(conn)
-            # The file is open (and created) by now: name it for _check_file().
-            conn.file = self._file_at_path()
+            self.synchronous = self._synchronous_for(self.journal_mode)
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
         except sqlite3.Error as exc:
-            conn.close()
             raise _store_error(exc) from exc
-        except BaseException:
-            conn.close()
+        if opening or tables != _ALL_TABLES:
+            # A file made since the store opened gets the ledger's tables here, so no statement
+            # ever meets a missing table.
+            self._create_schema(conn)
+            conn.made_ledger = not opening and not _CORE_TABLES.issubset(tables)
+
+    def _ledger_tables(self, conn: sqlite3.Connection) -> frozenset[str]:
+        """Which of the ledger's tables the connection's file holds.
+
+        Raises:
+            LedgerNotFound: with ``create=False``, the file is no database or no ledger.
+        """
+        missing = f"no twiceshy ledger at {self._where!r}"
+        try:
+            names = frozenset(str(row[0]) for row in conn.execute(_LEDGER_TABLES))
+        except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            if not self._create and code == _SQLITE_NOTADB:
+                raise LedgerNotFound(f"{missing}: the file is not an SQLite database") from exc
             raise
-        return conn
+        if not self._create and not _CORE_TABLES.issubset(names):
+            raise LedgerNotFound(f"{missing}: the file holds no twiceshy tables")
+        return names
+
+    def _synchronous_for(self, journal_mode: str) -> str:
+        """The setting asked for, else the weakest that survives a power cut in this mode."""
+        if self._asked_synchronous is not None:
+            return self._asked_synchronous
+        return "FULL" if journal_mode == "wal" else "EXTRA"
+
+    def _make_file(self) -> None:
+        """Create the empty ledger file, private to its user, unless another process just did.
+
+        SQLite would create it with the umask's mode (usually world-readable); it gives its
+        journals the mode of the file.
+        """
+        try:
+            fd = os.open(self._where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise StoreUnavailable(f"SQLite ledger: cannot create {self._where!r}: {exc}") from exc
+        os.close(fd)
 
     def _file_at_path(self) -> _FileId | None:
         """The file now at the store's path; ``None`` when there is none."""
@@ -605,41 +818,11 @@ class SQLiteStore:
 
     def _open_file(self) -> None:
         """Open the file at the path, make its tables, and lend from it from now on."""
-        if not self._create:
-            self._find_ledger()
-        conn = self._connect()
-        try:
-            self._create_schema(conn)
-        except BaseException:
-            conn.close()
-            raise
+        conn = self._connect(opening=True)
         self._file = conn.file
         # Connections to a file that was there before are closed, idle or when given back.
         _drain(self._pool())
         self._give_back(conn)
-
-    def _find_ledger(self) -> None:
-        """Raise :class:`LedgerNotFound` unless the file at the path holds twiceshy's tables.
-
-        Only reads: it runs before a connection sets the journal mode, which is a write.
-        """
-        missing = f"no twiceshy ledger at {self._where!r}"
-        if self._file_at_path() is None:
-            raise LedgerNotFound(f"{missing}: there is no such file")
-        try:
-            conn = sqlite3.connect(
-                self._target, uri=True, timeout=self._busy_timeout, isolation_level=None
-            )
-            try:
-                found = conn.execute(_COUNT_LEDGER_TABLES).fetchone()[0]
-            finally:
-                conn.close()
-        except sqlite3.Error as exc:
-            if getattr(exc, "sqlite_errorcode", 0) & 0xFF == _SQLITE_NOTADB:
-                raise LedgerNotFound(f"{missing}: the file is not an SQLite database") from exc
-            raise _store_error(exc) from exc
-        if found != 2:
-            raise LedgerNotFound(f"{missing}: the file holds no twiceshy tables")
 
     def _check_file(self) -> None:
         """Follow the path to a new file if the one the connections opened was replaced."""
@@ -648,12 +831,15 @@ class SQLiteStore:
         with self._reopening:
             if self._file_at_path() == self._file:  # another thread followed it meanwhile
                 return
-            log.warning(
-                "twiceshy: SQLite ledger %r was deleted or replaced while open; its records "
-                "are not in the file now at that path, which this process uses from now on",
-                self._where,
-            )
+            self._warn_replaced()
             self._open_file()
+
+    def _warn_replaced(self) -> None:
+        log.warning(
+            "twiceshy: SQLite ledger %r was deleted or replaced while open; its records "
+            "are not in the file now at that path, which this process uses from now on",
+            self._where,
+        )
 
     def _set_journal_mode(self, conn: sqlite3.Connection) -> str:
         """Put the file in the chosen journal mode; answer the mode SQLite reports.
@@ -740,20 +926,35 @@ class SQLiteStore:
             _drain(idle)
 
     def _connection(self, *, write: bool = False) -> _Lent:
-        """Lend a connection for one operation; map driver errors to :class:`StoreError`."""
+        """Lend a connection to the file at the path for one operation.
+
+        Driver errors are mapped to :class:`StoreError` when the operation ends.
+        """
         if self._closed:
             raise StoreError(f"SQLite ledger {self.path!r} is closed")
-        idle = self._pool()
-        while True:
-            try:
-                conn = idle.get_nowait()
-            except queue.Empty:
-                conn = self._connect()
-                break
+        for _ in range(_OPEN_ATTEMPTS):
+            # Reads follow the path too: a record in an unlinked file is no answer.
+            self._check_file()
+            idle = self._pool()
+            while True:
+                try:
+                    conn = idle.get_nowait()
+                except queue.Empty:
+                    break
+                if conn.file == self._file:
+                    return _Lent(self, conn, write=write)
+                conn.close()  # opened the file that was at the path before it was replaced
+            conn = self._connect(opening=False)
             if conn.file == self._file:
-                break
-            conn.close()  # opened the file that was at the path before it was replaced
-        return _Lent(self, conn, write=write)
+                if conn.made_ledger:
+                    # A new file that got the deleted one's number, so _check_file saw none.
+                    self._warn_replaced()
+                return _Lent(self, conn, write=write)
+            conn.close()  # the path changed since _check_file: follow it first
+        raise StoreUnavailable(
+            f"SQLite ledger {self._where!r}: the file at that path was deleted or replaced "
+            f"each of the {_OPEN_ATTEMPTS} times it was opened"
+        )
 
     def _transaction(self) -> _Lent:
         """A write transaction: ``BEGIN IMMEDIATE`` takes the one writer's lock up front.
@@ -761,7 +962,6 @@ class SQLiteStore:
         On any error the connection is rolled back and discarded. A failed ``COMMIT`` leaves the
         outcome unknown to us; a claim retried with the same owner token recognises itself.
         """
-        self._check_file()
         return self._connection(write=True)
 
     def _notify(self) -> None:
