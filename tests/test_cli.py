@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -757,6 +758,16 @@ def test_python_m_twiceshy_ledger_from_the_environment() -> None:
         pytest.param(
             "postgresql://postgres:hunter2@127.0.0.1:1/test", 3, "cannot be reached", id="pg"
         ),
+        pytest.param(
+            "postgresql://postgres@127.0.0.1:1/test?password=hunter2",
+            3,
+            "cannot be reached",
+            id="pg-query",
+        ),
+        pytest.param("redis://127.0.0.1:1/0?password=hunter2", 3, "unreachable", id="redis-query"),
+        pytest.param(
+            "postgersql://u@h/test?password=hunter2", 2, "unknown ledger URL", id="scheme"
+        ),
     ],
 )
 def test_demo_ledger_errors_follow_the_exit_codes(url: str, code: int, words: str) -> None:
@@ -764,4 +775,276 @@ def test_demo_ledger_errors_follow_the_exit_codes(url: str, code: int, words: st
     result = CliRunner().invoke(main, ["demo", "--ledger", url], catch_exceptions=False)
     line = one_line_error(result, code)
     assert words in line
+    assert "hunter2" not in result.output
+
+
+# -- what reaches the terminal ------------------------------------------------------------------
+
+OSC = "\x1b]0;pwned\x07"  # sets the terminal's title
+CSI = "\x1b[2J"  # clears the screen
+C1 = "\x9b31m"  # U+009B, a CSI in one character: turns the text red
+HOSTILE_TOOL = f"wire{OSC}{C1}"
+# What the commands show instead: each control character as an escape.
+SHOWN_TOOL = r"wire\x1b]0;pwned\x07\u009b31m"
+HOSTILE_KEYS = {
+    "unknown": f"hostile-{CSI}-unknown",
+    "succeeded": "hostile-succeeded",
+    "failed": "hostile-failed",
+    "text": f"hostile-{OSC}-text",
+}
+
+
+def terminal(url: str, namespace: str, *args: str) -> Result:
+    """Run a command as on a terminal, where click strips no escape sequence; no rich colours."""
+    runner = CliRunner(env={"COLUMNS": "200", "FORCE_COLOR": None, "TTY_COMPATIBLE": None})
+    return runner.invoke(
+        main,
+        [*args, "--ledger", url, "--namespace", namespace],
+        color=True,
+        catch_exceptions=False,
+    )
+
+
+def no_controls(text: str) -> str:
+    """``text``, which must hold no character a terminal acts on (newlines aside)."""
+    found = {f"{ord(c):#04x}" for c in text if c != "\n" and (c < " " or "\x7f" <= c <= "\x9f")}
+    assert not found, (found, text)
+    return text
+
+
+@pytest.fixture
+def hostile(ledger_url: str) -> tuple[str, str]:
+    """A namespace whose records carry OSC, CSI and C1 sequences in their tool name, keys,
+    owner, error messages, reasons and results, left by real calls and by the store's API."""
+    ns = f"hostile-{secrets.token_hex(4)}"
+    with twiceshy.Ledger(ledger_url, namespace=ns) as ledger:
+        unsafe = ledger.guard(HOSTILE_TOOL, effect=twiceshy.UNSAFE)
+        keyed = ledger.guard(HOSTILE_TOOL, effect=twiceshy.KEYED, definite=[Declined])
+
+        def timeout() -> None:
+            raise TimeoutError(f"the bank {OSC}did not answer{C1}")
+
+        def decline() -> None:
+            raise Declined(f"card {CSI}declined{C1}")
+
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            unsafe.call({"n": 1}, timeout, key=HOSTILE_KEYS["unknown"])
+        result = {"id": f"ch{OSC}{C1}"}
+        assert keyed.call({"n": 2}, lambda: result, key=HOSTILE_KEYS["succeeded"]) == result
+        with pytest.raises(Declined):
+            keyed.call({"n": 3}, decline, key=HOSTILE_KEYS["failed"])
+    # A result that is not JSON at all, by an owner named with an OSC: only the store's API
+    # writes those.
+    store, _ = open_store(ledger_url)
+    try:
+        key = HOSTILE_KEYS["text"]
+        claimed = store.claim(
+            ns,
+            key,
+            fingerprint="fp",
+            tool=HOSTILE_TOOL,
+            effect=twiceshy.KEYED,
+            owner=f"owner{OSC}",
+            lease=60.0,
+        )
+        assert claimed.won
+        done = store.write(
+            ns,
+            key,
+            twiceshy.Change(
+                fence=1,
+                from_states=frozenset({twiceshy.State.CLAIMED}),
+                to=twiceshy.State.SUCCEEDED,
+                result=f"plain {CSI}text{C1}",
+                ttl=3600.0,
+            ),
+        )
+        assert done.won
+    finally:
+        store.close()
+    return ledger_url, ns
+
+
+def test_ls_and_stats_show_escape_sequences_escaped(hostile: tuple[str, str]) -> None:
+    """``ls`` and ``stats`` print no OSC, CSI or C1 sequence of a tool name or key, but its
+    escaped text."""
+    url, ns = hostile
+    out = no_controls(ok(terminal(url, ns, "ls")).stdout)
+    assert out.count(SHOWN_TOOL) == 4
+    assert r"hostile-\x1b[2J " in out  # the key's first 12 characters
+    out = no_controls(ok(terminal(url, ns, "stats")).stdout)
+    row = next(line for line in out.splitlines() if SHOWN_TOOL in line)
+    assert row.split()[1:] == ["0", "2", "1", "0", "1", "4"]
+
+
+def test_show_prints_escape_sequences_escaped(hostile: tuple[str, str]) -> None:
+    """``show`` prints a record's tool, key, owner, error, reason and result escaped."""
+    url, ns = hostile
+    out = no_controls(ok(terminal(url, ns, "show", HOSTILE_KEYS["unknown"])).stdout)
+    assert SHOWN_TOOL in out
+    assert r"hostile-\x1b[2J-unknown" in out
+    rows = {line.partition(" ")[0]: line.partition(" ")[2].strip() for line in out.splitlines()}
+    message = r"TimeoutError: the bank \x1b]0;pwned\x07did not answer\u009b31m"
+    assert rows["error"] == f"builtins.{message}"
+    assert rows["reason"] == message
+    out = no_controls(ok(terminal(url, ns, "show", HOSTILE_KEYS["failed"])).stdout)
+    assert r"card \x1b[2Jdeclined\u009b31m" in out
+    out = no_controls(ok(terminal(url, ns, "show", HOSTILE_KEYS["succeeded"])).stdout)
+    assert r'"id": "ch\u001b]0;pwned\u0007\u009b31m"' in out  # JSON escapes, as in --json
+    out = no_controls(ok(terminal(url, ns, "show", HOSTILE_KEYS["text"])).stdout)
+    assert r"owner\x1b]0;pwned\x07" in out
+    assert r"plain \x1b[2Jtext\u009b31m" in out
+
+
+def test_json_output_is_exact_and_escaped(hostile: tuple[str, str]) -> None:
+    """``--json`` prints every control character as a JSON escape; the values read back exact."""
+    url, ns = hostile
+    out = no_controls(ok(terminal(url, ns, "ls", "--json")).stdout)
+    assert r"\u001b]0;pwned\u0007\u009b31m" in out
+    records = {r["key"]: r for r in json.loads(out)}
+    assert set(records) == set(HOSTILE_KEYS.values())
+    assert {r["tool"] for r in records.values()} == {HOSTILE_TOOL}
+    unknown = records[HOSTILE_KEYS["unknown"]]
+    assert unknown["reason"] == f"TimeoutError: the bank {OSC}did not answer{C1}"
+    assert records[HOSTILE_KEYS["succeeded"]]["result"] == {"id": f"ch{OSC}{C1}"}
+    assert records[HOSTILE_KEYS["text"]]["result"] == f"plain {CSI}text{C1}"
+    assert records[HOSTILE_KEYS["text"]]["owner"] == f"owner{OSC}"
+    out = no_controls(ok(terminal(url, ns, "show", "--json", HOSTILE_KEYS["failed"])).stdout)
+    assert json.loads(out)["error"]["message"] == f"card {CSI}declined{C1}"
+    out = no_controls(ok(terminal(url, ns, "stats", "--json")).stdout)
+    assert json.loads(out)["by_tool"][HOSTILE_TOOL]["records"] == 4
+
+
+def test_errors_and_resolve_show_escape_sequences_escaped(hostile: tuple[str, str]) -> None:
+    """An ambiguous prefix's error line and ``resolve``'s report print keys and tools escaped."""
+    url, ns = hostile
+    result = terminal(url, ns, "show", "hostile-")
+    line = no_controls(one_line_error(result, 1))
+    assert r"(hostile-\x1b]0;, hostile-fail, hostile-succ, hostile-\x1b[2J)" in line
+    result = terminal(url, ns, "resolve", HOSTILE_KEYS["unknown"], "--succeeded", f'"{C1}"')
+    out = no_controls(ok(result).stdout)
+    assert rf"resolved hostile-\x1b[2J-unknown: unknown -> succeeded (tool {SHOWN_TOOL}," in out
+    assert r'result: "\u009b31m"' in out
+
+
+def test_reconcile_shows_escape_sequences_escaped(
+    hostile: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reconcile`` prints the tool, key and a reconciler's error escaped."""
+    url, ns = hostile
+    module = f"hostile_reconciler_{secrets.token_hex(4)}"
+    (tmp_path / f"{module}.py").write_text(
+        "import twiceshy\n"
+        "def ask(key, arguments):\n"
+        f"    raise RuntimeError({f'the provider {OSC}failed{C1}'!r})\n"
+        "ledger = twiceshy.Ledger('memory://')\n"
+        f"tools = [ledger.guard({HOSTILE_TOOL!r}, effect=twiceshy.UNSAFE, reconcile=ask)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        out = no_controls(ok(terminal(url, ns, "reconcile", f"{module}:tools")).stdout)
+    finally:
+        sys.modules.pop(module, None)
+    assert SHOWN_TOOL in out
+    assert r"hostile-\x1b[2J " in out
+    assert r"RuntimeError: the provider \x1b]0;pwned\x07failed\u009b31m" in out
+
+
+def test_a_result_nested_too_deeply_is_shown_as_text(tmp_path: Path) -> None:
+    """A stored result nested deeper than Python's parser goes: shown as text, no traceback."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    deep = "[" * 100_000 + "]" * 100_000
+    store, _ = open_store(url)
+    try:
+        store.claim(
+            "", "deep", fingerprint="fp", tool="t", effect=twiceshy.KEYED, owner="o", lease=60
+        )
+        change = twiceshy.Change(
+            fence=1,
+            from_states=frozenset({twiceshy.State.CLAIMED}),
+            to=twiceshy.State.SUCCEEDED,
+            result=deep,
+            ttl=3600.0,
+        )
+        assert store.write("", "deep", change).won
+    finally:
+        store.close()
+    assert deep in "".join(ok(cli(url, "", "show", "deep")).stdout.split())  # folded lines
+    assert json.loads(ok(cli(url, "", "ls", "--json")).stdout)[0]["result"] == deep
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "code"),
+    [
+        pytest.param("postgresql://u:hunter2@127.0.0.1:1/test", 3, id="pg-user-part"),
+        pytest.param("postgresql://u@127.0.0.1:1/test?password=hunter2", 3, id="pg-query"),
+        pytest.param("postgresql://u@127.0.0.1:1/test?sslpassword=hunter2", 3, id="pg-ssl"),
+        pytest.param("postgresql://u:hunt%65r2@127.0.0.1:1/test", 3, id="pg-encoded"),
+        pytest.param("postgresql://u:hunter2/x@127.0.0.1:1/test", 3, id="pg-unencoded-slash"),
+        pytest.param("postgresql://u@127.0.0.1:1/test?password=hunter2&bogus=1", 2, id="pg-param"),
+        pytest.param("redis://:hunter2@127.0.0.1:1/0", 3, id="redis-user-part"),
+        pytest.param("redis://127.0.0.1:1/0?password=hunter2", 3, id="redis-query"),
+        pytest.param("redis://127.0.0.1:1/0?password=hunter2&bogus=1", 2, id="redis-param"),
+        pytest.param("postgersql://u:hunter2@127.0.0.1/test", 2, id="scheme-user-part"),
+        pytest.param("postgersql://u@127.0.0.1/test?password=hunter2", 2, id="scheme-query"),
+        pytest.param("host=127.0.0.1 password=hunter2", 2, id="scheme-libpq-string"),
+        pytest.param("postgresql://u@[::1/test?password=hunter2", 2, id="unparsable"),
+        pytest.param("memory://?password=hunter2", 2, id="memory"),
+        pytest.param("sqlite:////nonexistent/twiceshy/l.db?password=hunter2", 3, id="no-file"),
+    ],
+)
+def test_no_error_line_shows_a_password(url: str, code: int) -> None:
+    """Whatever the URL's failure, no command's error line shows its password, in the user part
+    or as a query parameter, as written or percent-decoded."""
+    for command in LEDGER_COMMANDS:
+        result = cli(url, "", *command)
+        line = one_line_error(result, code)
+        assert "hunter2" not in result.output
+        assert "hunt%65r2" not in result.output
+        assert "***" in line
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("form", ["user-part", "query"])
+def test_ledger_not_found_shows_no_password(pg: tuple[str, str], form: str) -> None:
+    """No twiceshy ledger at a PostgreSQL URL with a password: the error line hides it."""
+    base, schema = pg
+    parts = urlsplit(base)
+    if form == "user-part":
+        netloc = f"{parts.username or 'postgres'}:hunter2@{parts.hostname}:{parts.port or 5432}"
+        url = urlunsplit(parts._replace(netloc=netloc))
+    else:
+        url = _with_query(base, "password", "hunter2")
+    url = _with_query(url, "schema", schema)
+    result = cli(url, "", "ls")
+    line = one_line_error(result, 1)
+    assert line.startswith("Error: no twiceshy ledger at ")
+    assert "hunter2" not in result.output
+    assert "***" in line
+
+
+def test_the_ledger_from_the_environment_shows_no_password() -> None:
+    """``TWICESHY_LEDGER`` with a password: the error line hides it."""
+    runner = CliRunner(env={"TWICESHY_LEDGER": "redis://127.0.0.1:1/0?password=hunter2"})
+    result = runner.invoke(main, ["stats"], catch_exceptions=False)
+    assert "password=***" in one_line_error(result, 3)
+    assert "hunter2" not in result.output
+
+
+def test_a_target_that_quotes_a_url_shows_no_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconcile target failing with an error that quotes a URL: its secrets are hidden."""
+    module = f"leaky_target_{secrets.token_hex(4)}"
+    (tmp_path / f"{module}.py").write_text(
+        "raise RuntimeError('cannot reach postgresql://app:hunter2@db/x?token=hunter2')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runner = CliRunner()
+    result = runner.invoke(main, ["reconcile", f"{module}:tools", "--ledger", "memory://"])
+    line = one_line_error(result, 1)
+    assert "postgresql://app:***@db/x?token=***" in line
     assert "hunter2" not in result.output

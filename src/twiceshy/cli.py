@@ -16,8 +16,10 @@ Exit codes:
     141: the reader of the output went away (``twiceshy ls | head -1``): the command stops
        quietly, as a Unix tool killed by ``SIGPIPE`` does (128 + 13).
 
-Every error is one line on stderr; no traceback. The ledger commands never create a ledger:
-they open the store with ``create=False``.
+Every error is one line on stderr; no traceback; no URL's password or secret query parameter.
+What the ledger holds is printed with its control characters escaped (``\\x1b``, ``\\u009b``;
+JSON's ``\\u`` escapes under ``--json``): stored text cannot drive the operator's terminal. The
+ledger commands never create a ledger: they open the store with ``create=False``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ try:
     import click
     from rich import box
     from rich.console import Console
-    from rich.json import JSON
+    from rich.highlighter import JSONHighlighter
     from rich.table import Table
     from rich.text import Text
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
@@ -45,7 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Final, NoReturn, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 import twiceshy
 
@@ -89,17 +91,165 @@ _STATE_STYLES: Final = {
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# -- what reaches the terminal ----------------------------------------------------------------
+
+# What a terminal acts on instead of showing, or what makes one text look like another: C0
+# controls and DEL (ESC opens OSC and CSI sequences), C1 controls (U+009B is a CSI on its own),
+# the line and paragraph separators, the bidirectional marks, embeddings, overrides and
+# isolates, and lone surrogates (which have no UTF-8 form). Tab and newline are listed apart.
+_CONTROLS: Final = (
+    "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff"
+)
+_UNSAFE: Final = re.compile(f"[\t\n{_CONTROLS}]")
+_UNSAFE_IN_LINES: Final = re.compile(f"[{_CONTROLS}]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}"
+
+
+def _printable(text: str, *, lines: bool = False) -> str:
+    """``text`` as the command line shows it: each control character written as an escape.
+
+    Tool names, keys, owners, errors, reasons and results come from the ledger, where any caller
+    (or anyone who can write to the store) may have put an OSC or CSI sequence; shown as
+    ``\\x1b`` or ``\\u009b`` text, they cannot retitle, clear or rewrite the operator's terminal.
+    Backslashes are left as they are.
+
+    Args:
+        text: the text to show.
+        lines: keep newlines and tabs, where the layout has room for several lines.
+    """
+    return (_UNSAFE_IN_LINES if lines else _UNSAFE).sub(_escape, text)
+
+
+def _json_text(data: Any) -> str:
+    """``data`` as indented JSON in which every control character is a ``\\u`` escape.
+
+    ``json.dumps`` escapes C0 controls itself but not DEL, C1 controls or the rest; outside its
+    strings there are only brackets, digits, spaces and newlines, so each of those characters
+    is inside a string, where its ``\\u`` escape is the same character: the same JSON value.
+    """
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    return _UNSAFE_IN_LINES.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
+
+def _text(text: str, style: str = "", *, lines: bool = False) -> Text:
+    """A rich text of ``text``, its control characters escaped (and no markup read in it)."""
+    return Text(_printable(text, lines=lines), style=style)
+
+
+def _echo(line: str) -> None:
+    """Print one line, its control characters escaped."""
+    click.echo(_printable(line))
+
+
+# -- secrets ----------------------------------------------------------------------------------
+
+_HIDDEN: Final = "***"
+_SHORTEST_SCRUBBED: Final = 4
+# A name=value setting: a URL's query parameter, a key=value connection string's keyword. Each
+# pattern starts only where a run of its characters starts: a long message is read once.
+_SETTING: Final = re.compile(
+    r"(?<![A-Za-z0-9_.%-])(?P<head>(?P<name>[A-Za-z_%][A-Za-z0-9_.%-]*) *= *)"
+    r"(?P<secret>'(?:[^'\\]|\\.)*'?|[^\s&#]*)"
+)
+# The settings whose value is a secret: libpq's password and sslpassword, redis-py's password,
+# and the like (a name is read percent-decoded, as the drivers read it).
+_SECRET_NAME: Final = re.compile(r"pass|pwd|secret|token|auth", re.IGNORECASE)
+# What a message puts after a value it quotes: a value already hidden, followed by these, is
+# left alone.
+_ALREADY_HIDDEN: Final = re.compile(r"\*\*\*['\")\]},:;.]*")
+
+
+def _passwords(text: str) -> Iterator[tuple[int, int]]:
+    """Where the passwords of the URLs in ``text`` are, as ``(start, end)`` offsets.
+
+    A URL's password follows ``user:`` up to the last ``@`` before its query: found even in a
+    URL that does not parse (a bad host or port; a password with a ``/`` left unencoded, as
+    base64 has one), and in any text quoting one. Read piece by piece, so that a long message
+    is read once (a pattern would try every ``://`` against the rest of the text).
+    """
+    offset = 0
+    for token in re.split(r"(\s+)", text):
+        pieces = token.split("://")
+        at = offset + len(pieces[0]) + 3  # where the piece after a "://" starts in the text
+        for piece in pieces[1:]:
+            authority = re.split(r"[?#]", piece, maxsplit=1)[0]
+            user, colon, password = authority[: max(authority.rfind("@"), 0)].partition(":")
+            if colon and "/" not in user and not _ALREADY_HIDDEN.fullmatch(password):
+                start = at + len(user) + 1
+                yield start, start + len(password)
+            at += len(piece) + 3
+        offset += len(token)
+
+
+def _hide_passwords(text: str) -> str:
+    kept: list[str] = []
+    last = 0
+    for start, end in _passwords(text):
+        kept += [text[last:start], _HIDDEN]
+        last = end
+    return "".join(kept) + text[last:]
+
+
+def _hide_setting(match: re.Match[str]) -> str:
+    if not _SECRET_NAME.search(unquote(match["name"])) or _ALREADY_HIDDEN.fullmatch(
+        match["secret"]
+    ):
+        return match[0]
+    return match["head"] + _HIDDEN
+
+
+def _secrets(url: str) -> set[str]:
+    """The secrets of a URL, as written and as a driver may quote them (percent-decoded)."""
+    found = {url[start:end] for start, end in _passwords(url)}
+    found |= {
+        m["secret"] for m in _SETTING.finditer(url) if _SECRET_NAME.search(unquote(m["name"]))
+    }
+    forms = set()
+    for secret in found:
+        bare = secret.strip("'")
+        forms |= {secret, bare, unquote(bare), unquote_plus(bare)}
+    return {s for s in forms if s and not _ALREADY_HIDDEN.fullmatch(s)}
+
+
+def _hide_secrets(text: str, url: str | None = None) -> str:
+    """``text`` without secrets, for every line the command line prints about a ledger.
+
+    The password of every URL in it, and the value of every setting named like a secret
+    (``password=``, ``sslpassword=``, ``token=``...), whether a URL's query parameter or a
+    connection string's keyword, become ``***``; so do the secrets of ``url`` wherever they
+    appear, percent-decoded too (a driver may quote them so).
+
+    Args:
+        text: a URL, or a message that may quote one.
+        url: the ledger URL the message is about, if known.
+    """
+    if url is not None:
+        # The longest first: a secret may contain a shorter one. One of a few characters is
+        # left to the URL-shaped passes: hiding every "1" of a message would garble its ports
+        # and counts, and so short a password hides nothing anyway.
+        for secret in sorted(_secrets(url), key=len, reverse=True):
+            if len(secret) >= _SHORTEST_SCRUBBED:
+                text = text.replace(secret, _HIDDEN)
+    return _SETTING.sub(_hide_setting, _hide_passwords(text))
+
+
 class CommandError(click.ClickException):
     """How every command fails: one line on stderr, exit code 1 (refused or not found).
 
     Args:
-        message: what went wrong; newlines and runs of spaces are folded into one line.
+        message: what went wrong; newlines and runs of spaces are folded into one line, the
+            secrets of any URL in it hidden (:func:`_hide_secrets`), control characters escaped
+            (:func:`_printable`).
     """
 
     exit_code = EXIT_REFUSED
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+        super().__init__(_printable(_hide_secrets(" ".join(message.split()))))
 
 
 class BadUsage(CommandError):
@@ -196,27 +346,14 @@ def _ledger_options(fn: F) -> F:
     )(fn)
 
 
-# The password of a URL urlsplit cannot read: what follows "user:" up to the last "@".
-_USERINFO_PASSWORD: Final = re.compile(r"^[^:/?#]*://[^/?#:@]*:(?P<password>.*)@")
-
-
-def _password(url: str) -> str | None:
-    """The URL's password, found even where the URL cannot be parsed (a bad host)."""
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        match = _USERINFO_PASSWORD.match(url)
-        return match["password"] if match else None
-
-
 def _redacted(url: str) -> str:
-    """The URL without its password."""
-    return _scrubbed(url, url)
+    """The URL without its secrets."""
+    return _hide_secrets(url, url)
 
 
 def _scrubbed(message: str, url: str) -> str:
-    password = _password(url)
-    return message.replace(password, "***") if password else message
+    """A message about the ledger ``url`` without the URL's secrets."""
+    return _hide_secrets(message, url)
 
 
 def _open_store(url: str, *, create: bool = False) -> Store:
@@ -247,7 +384,7 @@ def _opened(ledger_url: str | None) -> Iterator[Store]:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise BadUsage(f"bad ledger URL {shown}: {exc}") from exc
+        raise BadUsage(f"bad ledger URL {shown}: {_scrubbed(str(exc), url)}") from exc
     if parts.scheme.lower() == "memory":
         raise BadUsage(
             f"{shown} is a ledger inside one process: the command line cannot see its records"
@@ -310,12 +447,13 @@ def _short_width(keys: list[str]) -> int:
 
 
 def _json_value(text: str | None) -> Any:
-    """A stored JSON text as its value (the text itself where it is not JSON)."""
+    """A stored JSON text as its value (the text itself where it is not JSON, or nested too
+    deeply for Python's parser: no tool's result is, only a text written to the store)."""
     if text is None:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -360,20 +498,15 @@ def _as_json(record: Record, now: float) -> dict[str, Any]:
 
 
 def _echo_json(data: Any) -> None:
-    text = json.dumps(data, indent=2, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        # A stored lone surrogate has no UTF-8 form: print it as a \udxxx escape instead.
-        text = json.dumps(data, indent=2)
-    click.echo(text)
+    """Print ``data`` as JSON: exact, its control characters (and lone surrogates) escaped."""
+    click.echo(_json_text(data))
 
 
 def _state_text(record: Record, now: float) -> Text:
     label = record.state.value
     if record.state is State.CLAIMED and _lapsed(record, now):
         label += " (lease lapsed)"
-    return Text(label, style=_STATE_STYLES[record.state])
+    return _text(label, style=_STATE_STYLES[record.state])
 
 
 # -- the commands -------------------------------------------------------------------------------
@@ -496,7 +629,7 @@ def ls(
         _echo_json([_as_json(r, now) for r in found])
         return
     if not found:
-        click.echo(f"no records in namespace {namespace!r}")
+        _echo(f"no records in namespace {namespace!r}")
         return
     width = _short_width([r.key for r in found])
     table = Table(box=box.SIMPLE_HEAD)
@@ -509,18 +642,18 @@ def ls(
     table.add_column("fence", justify="right")
     for r in found:
         table.add_row(
-            Text(r.key[:width]),
-            Text(r.tool),
-            Text(r.effect.value),
+            _text(r.key[:width]),
+            _text(r.tool),
+            _text(r.effect.value),
             _state_text(r, now),
-            Text(_span(now - r.created_at)),
-            Text(str(r.attempts)),
-            Text(str(r.fence)),
+            _text(_span(now - r.created_at)),
+            _text(str(r.attempts)),
+            _text(str(r.fence)),
         )
     console = _Console(highlight=False)
     console.print(table)
     plural = "" if len(found) == 1 else "s"
-    console.print(Text(f"{len(found)} record{plural} in namespace {namespace!r}"), soft_wrap=True)
+    console.print(_text(f"{len(found)} record{plural} in namespace {namespace!r}"), soft_wrap=True)
 
 
 @main.command()
@@ -538,8 +671,8 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
 
-    def row(label: str, value: Text | str) -> None:
-        grid.add_row(label, value if isinstance(value, Text) else Text(value))
+    def row(label: str, value: Text | str, *, lines: bool = False) -> None:
+        grid.add_row(label, value if isinstance(value, Text) else _text(value, lines=lines))
 
     row("key", record.key)
     row("namespace", repr(record.namespace))
@@ -557,22 +690,28 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
     row("attempts", f"{record.attempts} ({_NO_HISTORY})")
     error = _error(record.error)
     if error is not None:
-        row("error", f"{error['type']}: {error['message']}" if error["type"] else error["message"])
+        text = f"{error['type']}: {error['message']}" if error["type"] else error["message"]
+        row("error", text, lines=True)
     if record.reason is not None:
-        row("reason", record.reason)
+        row("reason", record.reason, lines=True)
     row("created", _when(record.created_at, now))
     row("updated", _when(record.updated_at, now))
     row("expires", _when(record.expires_at, now) if record.expires_at is not None else "never")
     console = _Console(highlight=False)
     console.print(grid)
     if record.result is not None:
-        console.print(Text("result", style="bold"))
+        console.print(_text("result", style="bold"))
         try:
-            console.print(JSON(record.result, indent=2))
-        except ValueError:
-            console.print(Text(record.result))
+            data = json.loads(record.result)
+        except (ValueError, RecursionError):
+            console.print(_text(record.result, lines=True))
+        else:
+            # rich's JSON would dump it again, C1 controls raw: highlight the escaped text.
+            pretty = JSONHighlighter()(_json_text(data))
+            pretty.no_wrap, pretty.overflow = True, None
+            console.print(pretty)
     if record.state is State.UNKNOWN:
-        console.print(Text(clearing(record.key)))
+        console.print(_text(clearing(record.key)))
 
 
 def _parse_result(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -695,14 +834,14 @@ def resolve(
             f"lost a race: the record {record.key} changed meanwhile (now {after.state.value}, "
             f"fence {after.fence}); nothing was written"
         )
-    click.echo(
+    _echo(
         f"resolved {after.key}: {record.state.value} -> {after.state.value} "
         f"(tool {after.tool}, fence {after.fence}); kept until {_iso(after.expires_at)}"
     )
     if after.result is not None:
-        click.echo(f"result: {after.result}")
+        _echo(f"result: {after.result}")
     if message is not None:
-        click.echo(f"error: {RESOLVE_ERROR_TYPE}: {message}")
+        _echo(f"error: {RESOLVE_ERROR_TYPE}: {message}")
 
 
 @main.command()
@@ -722,25 +861,25 @@ def gc(ledger_url: str | None, namespace: str, dry_run: bool, all_namespaces: bo
         with _opened(ledger_url) as store:
             removed = store.purge_expired(None if all_namespaces else namespace)
         plural = "" if removed == 1 else "s"
-        click.echo(f"removed {removed} expired outcome{plural} from {where}")
+        _echo(f"removed {removed} expired outcome{plural} from {where}")
         return
     with _opened(ledger_url) as store:
         now = _store_now(store, namespace)
         found = store.records(namespace)
     parked = [r for r in found if r.state in (State.CLAIMED, State.UNKNOWN)]
     expiries = [r.expires_at for r in found if r.expires_at is not None]
-    click.echo(
+    _echo(
         "dry run: nothing removed. Expired outcomes are already invisible to every read, so "
         "only gc itself can count them."
     )
-    click.echo(f"{where}: {len(parked)} claimed or unknown records, never removed by gc")
+    _echo(f"{where}: {len(parked)} claimed or unknown records, never removed by gc")
     if expiries:
-        click.echo(
+        _echo(
             f"{where}: {len(expiries)} outcomes within their retention; the next expires "
             f"in {_span(min(expiries) - now)}"
         )
     else:
-        click.echo(f"{where}: no outcome within its retention")
+        _echo(f"{where}: no outcome within its retention")
 
 
 @main.command()
@@ -789,12 +928,12 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
         table.add_column(s.value, footer=str(by_state[s]), justify="right")
     table.add_column("records", footer=str(len(found)), justify="right")
     for t, c in sorted(by_tool.items()):
-        table.add_row(Text(t), *(str(c[s]) for s in State), str(sum(c.values())))
+        table.add_row(_text(t), *(str(c[s]) for s in State), str(sum(c.values())))
     console = _Console(highlight=False)
-    console.print(Text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
+    console.print(_text(f"namespace {namespace!r}: {len(found)} live records"), soft_wrap=True)
     console.print(table)
     if duplicates is None:
-        console.print(Text(_NO_COUNTS), soft_wrap=True)
+        console.print(_text(_NO_COUNTS), soft_wrap=True)
         return
     calls = Table(box=box.SIMPLE_HEAD, show_footer=True)
     calls.add_column("tool", footer="all tools", overflow="fold")
@@ -806,15 +945,15 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     for o in shown:
         calls.add_column(o.value, footer=str(totals[o.value]), justify="right")
     for t, per_tool in sorted(answered.items()):
-        calls.add_row(Text(t), *(str(per_tool[o.value]) for o in shown))
+        calls.add_row(_text(t), *(str(per_tool[o.value]) for o in shown))
     total = sum(duplicates.values())
     detail = ", ".join(f"{n} {name}" for name, n in duplicates.items())
-    console.print(Text(f"calls by how they were answered: {sum(totals.values())}"), soft_wrap=True)
+    console.print(_text(f"calls by how they were answered: {sum(totals.values())}"), soft_wrap=True)
     console.print(calls)
     console.print(
-        Text(f"duplicates answered without running again: {total} ({detail})"), soft_wrap=True
+        _text(f"duplicates answered without running again: {total} ({detail})"), soft_wrap=True
     )
-    console.print(Text(_COUNTS_NOTE), soft_wrap=True)
+    console.print(_text(_COUNTS_NOTE), soft_wrap=True)
 
 
 # -- reconcile ----------------------------------------------------------------------------------
@@ -964,12 +1103,13 @@ def reconcile(
                     row.update(result="would ask", state=record.state.value, error=None)
                 else:
                     after = on_ledger.settle(record.key)
+                    # A reconciler's error may quote a URL of its provider's: hide its secrets.
                     row.update(
                         result=_settled_as(after, asked.error),
                         state=None if after is None else after.state.value,
                         error=None
                         if asked.error is None
-                        else f"{type(asked.error).__name__}: {asked.error}",
+                        else _hide_secrets(f"{type(asked.error).__name__}: {asked.error}"),
                     )
                 rows.append(row)
     if as_json:
@@ -977,7 +1117,7 @@ def reconcile(
         return
     tools = ", ".join(guards)
     if not rows:
-        click.echo(f"no unknown records of {tools} in namespace {namespace!r}")
+        _echo(f"no unknown records of {tools} in namespace {namespace!r}")
         return
     width = _short_width([r["key"] for r in rows])
     table = Table(box=box.SIMPLE_HEAD)
@@ -990,17 +1130,17 @@ def reconcile(
     styles = {"succeeded": "green", "released": "cyan", "error": "bold red"}
     for r in rows:
         cells = [
-            r["key"][:width],
-            Text(r["tool"]),
-            Text(r["result"], style=styles.get(r["result"], "")),
+            _text(r["key"][:width]),
+            _text(r["tool"]),
+            _text(r["result"], style=styles.get(r["result"], "")),
         ]
         if errors:
-            cells.append(Text(r["error"] or ""))
+            cells.append(_text(r["error"] or ""))
         table.add_row(*cells)
     console = _Console(highlight=False)
     console.print(table)
     what = "would ask about" if dry_run else "asked about"
     console.print(
-        Text(f"{what} {len(rows)} unknown records of {tools} in namespace {namespace!r}"),
+        _text(f"{what} {len(rows)} unknown records of {tools} in namespace {namespace!r}"),
         soft_wrap=True,
     )
