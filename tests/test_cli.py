@@ -1048,3 +1048,41 @@ def test_a_target_that_quotes_a_url_shows_no_password(
     line = one_line_error(result, 1)
     assert "postgresql://app:***@db/x?token=***" in line
     assert "hunter2" not in result.output
+
+
+def test_a_lapse_marked_unknown_is_not_released_within_its_grace(ledger_url: str) -> None:
+    """An unknown outcome marked when its owner's lease lapsed is shown as such, and
+    ``resolve --released`` refuses it within ``--grace`` (the owner may only be paused);
+    ``--force``, or a grace that has passed, releases it."""
+    ns = f"lapse-{secrets.token_hex(4)}"
+    with twiceshy.Ledger(ledger_url, namespace=ns, counts_interval=None) as ledger:
+        guard = ledger.guard("wire", effect=twiceshy.UNSAFE, wait=0.0)
+        keys = []
+        for amount in (1, 2):
+            key = guard.key_for({"amount": amount}, scope="run-1")
+            fingerprint = guard.bind({"amount": amount}).identity(None, "wire")[1]
+            claim = ledger.store.claim(
+                ns,
+                key,
+                fingerprint=fingerprint,
+                tool="wire",
+                effect=twiceshy.UNSAFE,
+                owner="paused-process",
+                lease=0.05,
+            )
+            assert claim.won
+            keys.append(key)
+        time.sleep(0.2)  # both leases lapse on the store's clock
+        for amount in (1, 2):
+            with twiceshy.run("run-1"), pytest.raises(twiceshy.OutcomeUnknown):
+                guard.call({"amount": amount}, lambda: None)
+    out = " ".join(ok(cli(ledger_url, ns, "show", keys[0])).stdout.split())
+    assert "unknown (a lapsed lease)" in out
+    assert "the owner may only have been paused and may still take effect" in out
+    refused = one_line_error(cli(ledger_url, ns, "resolve", keys[0], "--released"), 1)
+    assert "a lapse is not a crash" in refused
+    assert shown(ledger_url, ns, keys[0])["state"] == "unknown"
+    ok(cli(ledger_url, ns, "resolve", keys[0], "--released", "--force"))
+    assert shown(ledger_url, ns, keys[0])["state"] == "released"
+    ok(cli(ledger_url, ns, "resolve", keys[1], "--released", "--grace", "0s"))
+    assert shown(ledger_url, ns, keys[1])["state"] == "released"

@@ -150,6 +150,11 @@ def test_report_never_prints_the_ledger_password() -> None:
     assert "hunter2" not in result.ledger_url
     assert "hunter2" not in out.getvalue()
     assert "memory://demo:***@ledger.example" in out.getvalue()
+    out = io.StringIO()
+    result = run_demo("memory://ledger.example?password=hunter2", console=Console(file=out))
+    assert result.ok
+    assert "hunter2" not in result.ledger_url
+    assert "hunter2" not in out.getvalue()
 
 
 @pytest.fixture(params=["postgres", "redis"])

@@ -38,6 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 import twiceshy
+from twiceshy.stores import redacted_url
 
 __all__ = ["Act", "Call", "DemoResult", "print_report", "run_demo"]
 
@@ -325,9 +326,8 @@ class DemoResult:
 
 
 def _shown(url: str) -> str:
-    """The ledger URL as the report prints it: without its password."""
-    password = urlsplit(url).password
-    return url.replace(f":{password}@", ":***@") if password else url
+    """The ledger URL as the report prints it: without its secrets."""
+    return redacted_url(url)
 
 
 def _call(tool: Tool, customer: str, client: _Client) -> tuple[Call, BaseException | None]:

@@ -52,7 +52,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit
 import twiceshy
 
 from ._codec import ResultCodec
-from ._protocol import TRANSITIONS, Actor
+from ._protocol import LAPSED, TRANSITIONS, Actor
 from ._records import Change, Outcome, Record, State
 from .errors import LedgerNotFound, ResultNotStorable, StoreError, clearing
 from .stores import CallCounts, Store, default_url, open_store
@@ -506,6 +506,9 @@ def _state_text(record: Record, now: float) -> Text:
     label = record.state.value
     if record.state is State.CLAIMED and _lapsed(record, now):
         label += " (lease lapsed)"
+    if record.state is State.UNKNOWN:
+        # A lapse is not a crash: the owner may only have been paused, and may still act.
+        label += " (a lapsed lease)" if record.reason == LAPSED else " (its owner's error)"
     return _text(label, style=_STATE_STYLES[record.state])
 
 
@@ -711,6 +714,14 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
             pretty.no_wrap, pretty.overflow = True, None
             console.print(pretty)
     if record.state is State.UNKNOWN:
+        if record.reason == LAPSED:
+            console.print(
+                _text(
+                    f"Marked unknown when its owner's lease lapsed, at {_iso(record.updated_at)}: "
+                    "the owner may only have been paused and may still take effect; check the "
+                    "provider once more before releasing it."
+                )
+            )
         console.print(_text(clearing(record.key)))
 
 
@@ -729,9 +740,24 @@ def _parse_result(ctx: click.Context, param: click.Parameter, value: str | None)
         raise click.BadParameter(f"not a JSON value: {exc}", ctx, param) from exc
 
 
-def _resolution(record: Record, now: float, to: State, force: bool, **kw: Any) -> Change:
+def _resolution(
+    record: Record, now: float, to: State, force: bool, grace: float, **kw: Any
+) -> Change:
     """The guarded write that resolves ``record`` to ``to``, or a refusal that says why."""
     state = record.state
+    if (
+        state is State.UNKNOWN
+        and to is State.RELEASED
+        and record.reason == LAPSED
+        and now < record.updated_at + grace
+        and not force
+    ):
+        raise CommandError(
+            f"refused: the record {record.key} was marked unknown when its owner's lease lapsed, "
+            f"{_span(now - record.updated_at)} ago: a lapse is not a crash, and a paused owner "
+            "may still take effect, which the provider may not show yet. Check again after "
+            f"{_iso(record.updated_at + grace)} (--grace), or use --force"
+        )
     if state is State.UNKNOWN:
         if Actor.RECONCILER not in TRANSITIONS.get((state, to), frozenset()):
             raise AssertionError(f"a reconciler may not move a record from {state} to {to}")
@@ -783,7 +809,17 @@ def _resolution(record: Record, now: float, to: State, force: bool, **kw: Any) -
 @click.option(
     "--force",
     is_flag=True,
-    help="Also resolve a claimed record whose lease has lapsed (a crashed owner).",
+    help="Also resolve a claimed record whose lease has lapsed (a crashed owner), or release an "
+    "unknown one within its grace.",
+)
+@click.option(
+    "--grace",
+    callback=_duration,
+    default="60s",
+    show_default=True,
+    metavar="DURATION",
+    help="How long after a lapse marked a record unknown --released is refused (the owner may "
+    "only be paused).",
 )
 @click.option(
     "--ttl",
@@ -801,6 +837,7 @@ def resolve(
     result: str | None,
     message: str | None,
     force: bool,
+    grace: float | None,
     ttl: float | None,
 ) -> None:
     """Settle a parked record, as a reconciler: KEY or a unique prefix of it.
@@ -824,7 +861,7 @@ def resolve(
         to, fields["error"] = State.FAILED, error
     with _opened(ledger_url) as store:
         record, now = _find(store, namespace, key)
-        change = _resolution(record, now, to, force, ttl=ttl, **fields)
+        change = _resolution(record, now, to, force, grace or 0.0, ttl=ttl, **fields)
         snap = store.write(namespace, record.key, change)
     after = snap.record
     if after is None:
