@@ -1,6 +1,6 @@
 """Per-call cost of a protected call on the memory and SQLite ledgers, beside the floor.
 
-    python benchmarks/ledger.py [--quick] [--synchronous FULL|NORMAL|OFF]
+    python benchmarks/ledger.py [--quick] [--synchronous EXTRA|FULL|NORMAL|OFF]
 
 A *first call* claims the key, runs the tool and records the outcome; a *replay* is a retry of an
 intent already recorded. The floor is raw ``sqlite3`` doing the same transactions on the same
@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import twiceshy
 from twiceshy.stores.sqlite import _SCHEMA as SCHEMA
@@ -77,7 +78,12 @@ def protected(url: str, remember: int = 0) -> Case:
 
 def floor(path: Path, journal_mode: str, synchronous: str) -> Case:
     """(two write transactions, one read, close) of raw sqlite3 at the same settings."""
-    conn = sqlite3.connect(path, isolation_level=None)
+    return floor_on(sqlite3.connect(path, isolation_level=None), journal_mode, synchronous)
+
+
+def floor_on(conn: Any, journal_mode: str, synchronous: str) -> Case:
+    """The floor's case on an open connection of a DB-API-like driver (``sqlite3``, ``apsw``)
+    that runs statements with ``execute`` and leaves transactions to them."""
     conn.execute(f"PRAGMA journal_mode = {journal_mode}")
     conn.execute(f"PRAGMA synchronous = {synchronous}")
     for statement in SCHEMA:  # the ledger's own table and indexes
@@ -106,11 +112,11 @@ def floor(path: Path, journal_mode: str, synchronous: str) -> Case:
         now = time.time()
         conn.execute("BEGIN IMMEDIATE")
         conn.execute(insert, ("", key, fingerprint, owner, now + 30, now, now))
-        conn.execute(read, (key,)).fetchone()
+        conn.execute(read, (key,)).fetchall()
         conn.execute("COMMIT")
         conn.execute("BEGIN IMMEDIATE")
         conn.execute(update, (result, now, now + 86400, key))
-        conn.execute(read, (key,)).fetchone()
+        conn.execute(read, (key,)).fetchall()
         conn.execute("COMMIT")
 
     conn.execute("BEGIN IMMEDIATE")
@@ -118,7 +124,7 @@ def floor(path: Path, journal_mode: str, synchronous: str) -> Case:
     conn.execute("COMMIT")
 
     def one_read(i: int) -> object:
-        return conn.execute(read, ("replayed",)).fetchone()
+        return conn.execute(read, ("replayed",)).fetchall()
 
     return two_transactions, one_read, conn.close
 
@@ -179,15 +185,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer calls, for a smoke run")
     parser.add_argument(
         "--synchronous",
-        default="FULL",
-        choices=["FULL", "NORMAL", "OFF"],
-        help="SQLite's synchronous setting for the ledger and the floor (default FULL)",
+        default=None,
+        choices=["EXTRA", "FULL", "NORMAL", "OFF"],
+        help="SQLite's synchronous setting for the ledger and the floor (default: the store's "
+        "own, EXTRA in the rollback journal and FULL in WAL)",
     )
     args = parser.parse_args()
-    quick, sync = args.quick, args.synchronous
+    quick = args.quick
     rounds, calls = (2, 20) if quick else (8, 50)
     with tempfile.TemporaryDirectory() as tmp:
         mode = SQLiteStore(Path(tmp) / "probe.db").journal_mode
+        sync = args.synchronous or ("FULL" if mode == "wal" else "EXTRA")
         results = measure(
             {
                 "memory": protected("memory://"),

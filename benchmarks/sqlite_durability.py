@@ -25,21 +25,15 @@ of each run's median per call, in microseconds.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sqlite3
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ledger import RESULT, Case, floor, measure, protected
-from twiceshy.stores.sqlite import _SCHEMA as SCHEMA
+from ledger import Case, floor, floor_on, measure, protected
 
 try:
     import apsw
@@ -51,49 +45,7 @@ SETTINGS = (("delete", "FULL"), ("delete", "EXTRA"), ("wal", "FULL"))
 
 def apsw_floor(path: Path, journal_mode: str, synchronous: str) -> Case:
     """The raw floor of ``benchmarks/ledger.py``, through apsw and the SQLite it bundles."""
-    assert apsw is not None
-    conn: Any = apsw.Connection(str(path))
-    conn.execute(f"PRAGMA journal_mode = {journal_mode}")
-    conn.execute(f"PRAGMA synchronous = {synchronous}")
-    for statement in SCHEMA:
-        conn.execute(statement)
-    insert = (
-        "INSERT INTO twiceshy_records VALUES (?, ?, ?, 'charge', 'keyed', 'claimed', 1, ?, ?, 1, "
-        "NULL, NULL, NULL, ?, ?, NULL)"
-    )
-    update = (
-        "UPDATE twiceshy_records SET state = 'succeeded', result = ?, updated_at = ?, "
-        "expires_at = ? "
-        "WHERE namespace = '' AND key = ? AND fence = 1 AND state = 'claimed'"
-    )
-    read = "SELECT * FROM twiceshy_records WHERE namespace = '' AND key = ?"
-    prefix = f"{time.time_ns()}"
-    counter = iter(range(10**9))
-    result = json.dumps(RESULT, separators=(",", ":"))
-
-    def two_transactions(i: int) -> None:
-        n = next(counter)
-        key = hashlib.sha256(f"{prefix}:charge:{n}".encode()).hexdigest()
-        fingerprint = hashlib.sha256(key.encode()).hexdigest()
-        owner = f"{prefix[:16]}.{os.getpid()}.{n}"
-        now = time.time()
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(insert, ("", key, fingerprint, owner, now + 30, now, now))
-        conn.execute(read, (key,)).fetchall()
-        conn.execute("COMMIT")
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(update, (result, now, now + 86400, key))
-        conn.execute(read, (key,)).fetchall()
-        conn.execute("COMMIT")
-
-    conn.execute("BEGIN IMMEDIATE")
-    conn.execute(insert, ("", "replayed", "f", "o", 0, 0, 0))
-    conn.execute("COMMIT")
-
-    def one_read(i: int) -> object:
-        return conn.execute(read, ("replayed",)).fetchall()
-
-    return two_transactions, one_read, conn.close
+    return floor_on(apsw.Connection(str(path)), journal_mode, synchronous)
 
 
 def one_run(rounds: int, calls: int) -> dict[str, tuple[float, float]]:
