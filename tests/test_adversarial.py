@@ -266,7 +266,7 @@ def test_ctrl_c_as_the_work_is_about_to_start_leaves_no_heartbeat_renewing_forev
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ctrl-C between the heartbeat's start and the work: nobody renews the lease forever."""
-    import twiceshy._ledger as ledger_module
+    import twiceshy._drivers as ledger_module
 
     store = MemoryStore()
     ledger = twiceshy.Ledger(store=store, counts_interval=None)

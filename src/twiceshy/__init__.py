@@ -17,7 +17,8 @@ error where nobody can know it.
 import logging as _logging
 
 from ._canonical import canonical_json, idempotency_key
-from ._ledger import Guard, Ledger
+from ._guard import Guard
+from ._ledger import Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
 from ._records import CallEvent, Change, Effect, Outcome, Record, Snapshot, State
 from ._scope import current_key, current_scope, inherited_scope, point_of_no_return, run

@@ -30,10 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from .._binding import Binder, calls_point_of_no_return
-from .._ledger import Guard
-from .._protocol import describe, exhausted
-from .._records import Effect
+from .. import Effect, Guard
 from ..errors import (
     InProgress,
     KeyReuseMismatch,
@@ -42,6 +39,7 @@ from ..errors import (
     TwiceshyError,
     UnkeyableArgument,
 )
+from ._core import Binder, calls_point_of_no_return, describe, exhausted
 
 __all__ = [
     "ANSWERED",

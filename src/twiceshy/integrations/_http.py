@@ -31,10 +31,9 @@ from collections.abc import Collection
 from email.message import Message
 from typing import Any
 
-from .._forks import reset_in_children
-from .._records import Effect
-from .._scope import Current, current_call, point_of_no_return
+from .. import Effect, point_of_no_return
 from ..errors import FencedOut, RepeatedRequest
+from ._core import Current, current_call, reset_in_children
 
 __all__ = ["DEFAULT_METHODS", "header_value", "make_transports", "request_content"]
 

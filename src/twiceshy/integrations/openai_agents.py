@@ -63,10 +63,7 @@ from agents.tool import (
 )
 from agents.tool_context import ToolContext
 
-from .._codec import ResultCodec
-from .._ledger import Guard, Ledger
-from .._records import Effect
-from .._scope import entered_scope, inherited_scope
+from .. import Effect, Guard, Ledger, inherited_scope
 from ..errors import (
     MissingScope,
     NotApplied,
@@ -75,6 +72,7 @@ from ..errors import (
     UnkeyableType,
 )
 from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
+from ._core import ResultCodec, entered_scope
 
 __all__ = ["ScopeSource", "protect", "protect_tool"]
 

@@ -33,8 +33,7 @@ from contextvars import ContextVar
 
 from opentelemetry import metrics, trace
 
-from .. import __version__
-from .._records import CallEvent, Effect
+from .. import CallEvent, Effect, __version__
 
 __all__ = ["TwiceshyTelemetry"]
 

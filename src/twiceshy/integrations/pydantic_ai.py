@@ -103,13 +103,13 @@ from twiceshy import (
     TwiceshyError,
     current_scope,
 )
-from twiceshy._codec import ReturnOf
 from twiceshy.integrations._calls import (
     effect_at_of,
     for_the_model,
     received,
     with_schema_defaults,
 )
+from twiceshy.integrations._core import ReturnOf
 
 __all__ = [
     "METADATA_KEY",

@@ -1,0 +1,96 @@
+"""The tool decorator: it binds a Python function's calls by name and hands each to a guard."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+
+from ._binding import Binder, calls_point_of_no_return
+from ._codec import ReturnOf
+from ._drivers import aexecute, execute
+from ._reconciling import is_async
+
+if TYPE_CHECKING:
+    from ._guard import Guard
+    from ._ledger import Ledger
+
+__all__ = ["decorating"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def decorating(
+    ledger: Ledger,
+    *,
+    name: str | None,
+    key_param: str,
+    inject: Collection[str],
+    effect_at: str | None,
+    options: dict[str, Any],
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """What ``ledger.tool(...)`` answers: a decorator protecting a function with a guard made by
+    ``ledger.guard`` from ``options`` (the options :meth:`Ledger.tool` shares with it)."""
+    reconcile = options.get("reconcile")
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        blocking = not is_async(fn)
+        if reconcile is not None and blocking and is_async(reconcile):
+            raise TypeError("a sync tool needs a sync reconcile= function")
+        try:
+            returns = inspect.get_annotations(fn, eval_str=True).get("return")
+        except Exception:  # it names what is not defined yet: read it at the first replay
+            returns = ReturnOf(fn)
+        binder = Binder(
+            fn,
+            key_param=key_param,
+            inject=inject,
+            key_args=options.get("key_args"),
+            ignore_args=options.get("ignore_args", ()),
+        )
+        where = effect_at
+        if where == "auto":
+            where = "mark" if calls_point_of_no_return(fn) else None
+        guard = ledger.guard(name or fn.__name__, returns=returns, effect_at=where, **options)  # type: ignore[arg-type]
+        if blocking:
+            wrapper = _sync_tool(fn, guard, binder)
+        else:
+            wrapper = _async_tool(cast("Callable[..., Awaitable[Any]]", fn), guard, binder)
+        wrapper.twiceshy = guard  # type: ignore[attr-defined]
+        return cast("Callable[P, R]", wrapper)
+
+    return decorate
+
+
+def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def protected(*args: Any, **kwargs: Any) -> Any:
+        arguments, explicit = binder.bind(args, kwargs)
+        bound = guard.bind(arguments, key=explicit)
+
+        def work(key: str) -> Any:
+            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            return fn(*call_args, **call_kwargs)
+
+        return execute(guard.protection, bound, work, None)
+
+    return protected
+
+
+def _async_tool(
+    fn: Callable[..., Awaitable[Any]], guard: Guard, binder: Binder
+) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def protected(*args: Any, **kwargs: Any) -> Any:
+        arguments, explicit = binder.bind(args, kwargs)
+        bound = guard.bind(arguments, key=explicit)
+
+        def work(key: str) -> Awaitable[Any]:
+            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            return fn(*call_args, **call_kwargs)
+
+        return await aexecute(guard.protection, bound, work, None)
+
+    return protected
