@@ -453,22 +453,22 @@ def test_resolve_that_loses_a_race_writes_nothing(
     shop: Shop, ledger_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the record changes between the read and the fenced write, resolve fails (1)."""
-    import twiceshy.cli as cli_module
+    import twiceshy.cli.resolving as cli_module
 
     ns = shop.ledger.namespace
     key = Shop.keys["unknown"]
-    find = cli_module._find
+    find = cli_module.find_record
 
     raced: list[Result] = []
 
     def find_then_someone_else_resolves(store: Any, namespace: str, prefix: str) -> Any:
         found = find(store, namespace, prefix)
         # Another operator resolves the same record between our read and our write.
-        monkeypatch.setattr(cli_module, "_find", find)
+        monkeypatch.setattr(cli_module, "find_record", find)
         raced.append(cli(ledger_url, ns, "resolve", key, "--released"))
         return found
 
-    monkeypatch.setattr(cli_module, "_find", find_then_someone_else_resolves)
+    monkeypatch.setattr(cli_module, "find_record", find_then_someone_else_resolves)
     line = one_line_error(cli(ledger_url, ns, "resolve", key, "--succeeded", '"late"'), 1)
     assert "lost a race" in line
     assert ok(raced[0]).stdout.startswith(f"resolved {key}: unknown -> released")

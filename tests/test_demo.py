@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 import servers
-from twiceshy._demo import DemoResult, print_report, run_demo
+from twiceshy.cli.double_charge import DemoResult, print_report, run_demo
 
 
 @pytest.fixture(scope="module")

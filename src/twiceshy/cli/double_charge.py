@@ -1,4 +1,4 @@
-"""``twiceshy demo``: the double charge this library exists for, re-enacted on this machine.
+"""The double charge that ``twiceshy demo`` re-enacts on this machine.
 
 A payment provider double listens on 127.0.0.1. It commits every charge at once but answers the
 first request of each act only after the client's read timeout has passed, so the agent sees a
@@ -38,7 +38,8 @@ from rich.table import Table
 from rich.text import Text
 
 import twiceshy
-from twiceshy.stores import redacted_url
+
+from .redaction import redacted
 
 __all__ = ["Act", "Call", "DemoResult", "print_report", "run_demo"]
 
@@ -292,7 +293,7 @@ class DemoResult:
         keyed: act 2, the ``KEYED`` tool.
         unsafe: act 3, the ``UNSAFE`` tool.
         message: what the model reads in act 3: ``str()`` of the ``OutcomeUnknown``.
-        ledger_url: the ledger the acts used, as shown (without its password).
+        ledger_url: the ledger the acts used, as shown (without its secrets).
         scope: the run scope of this demo run.
         seconds: how long the acts took.
     """
@@ -323,11 +324,6 @@ class DemoResult:
 
 
 # -- the acts -------------------------------------------------------------------------------------
-
-
-def _shown(url: str) -> str:
-    """The ledger URL as the report prints it: without its secrets."""
-    return redacted_url(url)
 
 
 def _call(tool: Tool, customer: str, client: _Client) -> tuple[Call, BaseException | None]:
@@ -459,7 +455,7 @@ def run_demo(ledger_url: str | None = None, *, console: Console | None = None) -
         keyed=keyed,
         unsafe=unsafe,
         message=message,
-        ledger_url=_shown(url) if ledger_url is not None else "a fresh SQLite file (temporary)",
+        ledger_url=redacted(url) if ledger_url is not None else "a fresh SQLite file (temporary)",
         scope=scope,
         seconds=time.perf_counter() - started,
     )

@@ -1,0 +1,64 @@
+"""The ``twiceshy`` command line (the ``cli`` extra: click and rich).
+
+An operator's view of a ledger: list records (``ls``), inspect one (``show``), settle a parked one
+(``resolve``), remove expired outcomes (``gc``) and count what is there (``stats``); ``reconcile``
+asks the tools' reconcilers about parked records; and ``demo``, the re-enacted double charge.
+Every ledger command takes ``--ledger URL`` (or ``TWICESHY_LEDGER``) and ``--namespace NS``.
+
+Exit codes:
+    0: done.
+    1: refused or not found: an unknown key, an ambiguous prefix, a record that may not be
+       resolved, a resolve that lost a race, a ledger URL naming a file or schema that holds no
+       twiceshy ledger.
+    2: usage: a bad option, a bad ledger URL (click's own usage errors included).
+    3: the ledger cannot be reached or used.
+    141: the reader of the output went away (``twiceshy ls | head -1``): the command stops
+       quietly, as a Unix tool killed by ``SIGPIPE`` does (128 + 13).
+
+Every error is one line on stderr; no traceback; no URL's password or secret query parameter.
+What the ledger holds is printed with its control characters escaped (``\\x1b``, ``\\u009b``;
+JSON's ``\\u`` escapes under ``--json``): stored text cannot drive the operator's terminal. The
+ledger commands never create a ledger: they open the store with ``create=False``.
+
+The modules: ``group`` (the command group), ``options`` (the shared options), one per command
+family (``listing``: ls and show; ``resolving``, ``gc``, ``stats``, ``reconcile``, ``demo``, with
+``double_charge`` the story it re-enacts), and what they share: ``ledger`` (opening the store,
+finding a record), ``render`` (the terminal), ``redaction`` (secrets), ``json_forms`` (``--json``)
+and ``exits`` (exit codes and errors).
+"""
+
+from __future__ import annotations
+
+try:
+    import click  # noqa: F401
+    import rich  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"the twiceshy command line needs the cli extra: pip install 'twiceshy[cli]' ({exc})"
+    ) from exc
+
+from .exits import (
+    EXIT_BROKEN_PIPE,
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    BadUsage,
+    CommandError,
+    LedgerUnavailable,
+)
+from .group import main
+from .options import parse_duration
+from .resolving import RESOLVE_ERROR_TYPE
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_REFUSED",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "RESOLVE_ERROR_TYPE",
+    "BadUsage",
+    "CommandError",
+    "LedgerUnavailable",
+    "main",
+    "parse_duration",
+]
