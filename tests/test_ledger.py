@@ -1430,3 +1430,55 @@ def test_a_huge_error_message_is_kept_bounded(ledger: twiceshy.Ledger) -> None:
     assert record.error is not None
     assert len(record.error) < 17_000
     assert runs == [5]
+
+
+def test_the_version_is_the_installed_packages() -> None:
+    """twiceshy.__version__ is read from the package's metadata, not written twice."""
+    from importlib import metadata
+
+    assert twiceshy.__version__ == metadata.version("twiceshy")
+
+
+def test_the_extension_points_are_protocols() -> None:
+    """twiceshy.typing offers the store, observer and reconciler Protocols: plain callables and
+    objects fit them, and a guard's reconciler and a ledger's observers are typed by them."""
+    import typing
+
+    from twiceshy import typing as extension
+
+    for name in ("Store", "AsyncStore", "Observer", "AroundObserver", "Reconciler"):
+        assert getattr(extension, name)._is_protocol, name
+
+    def observer(event: twiceshy.CallEvent) -> None:
+        return None
+
+    class Tracing:
+        def __call__(self, event: twiceshy.CallEvent) -> None:
+            return None
+
+        def around(self, tool: str, effect: twiceshy.Effect) -> Any:
+            return open(__file__)  # any context manager
+
+    assert isinstance(observer, extension.Observer)
+    assert isinstance(Tracing(), extension.AroundObserver)
+    assert not isinstance(observer, extension.AroundObserver)
+    assert isinstance(twiceshy.Ledger("memory://").store, extension.Store)
+    hints = typing.get_type_hints(twiceshy.Ledger.guard)
+    assert hints["reconcile"] == extension.Reconciler | None
+
+
+def test_an_option_left_out_is_its_default_and_none_is_not_a_way_to_leave_it_out() -> None:
+    """attempts=, record=, backoff=, release_grace= and url= take their defaults when left out
+    (twiceshy.typing.NOT_GIVEN); None there is refused with a TypeError saying so."""
+    from twiceshy.typing import NOT_GIVEN
+
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    guard = ledger.guard("charge", effect=twiceshy.KEYED, attempts=NOT_GIVEN)
+    assert guard.policy.attempts == 3
+    assert guard.policy.release_grace == 60.0
+    for option in ("attempts", "record", "backoff", "release_grace"):
+        with pytest.raises(TypeError, match=f"{option}=.*leave it out for the default"):
+            ledger.guard("charge", effect=twiceshy.SAFE, **{option: None})
+    with pytest.raises(TypeError, match="leave it out"):
+        twiceshy.Ledger(None)  # type: ignore[arg-type]
+    assert ledger.guard("g", effect=twiceshy.KEYED, ttl=None).policy.ttl is None  # None: forever

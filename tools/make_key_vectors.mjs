@@ -6,7 +6,7 @@
 //
 // Each line is one intent and what JavaScript makes of it:
 //     {"scope": ..., "tool": ..., "args": <JSON value>, "canonical": ..., "key": ...}
-// where canonical is stableStringify(args) below (the recipe of DESIGN.md section 2) and key is
+// where canonical is stableStringify(args) below (the recipe of docs/design.md section 2) and key is
 // the lowercase hex SHA-256 of the UTF-8 bytes of `${scope}:${tool}:${canonical}`.
 //
 // The lines are plain ASCII: every non-ASCII character is written as a \uXXXX escape, so lone

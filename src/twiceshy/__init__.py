@@ -15,6 +15,7 @@ error where nobody can know it.
 """
 
 import logging as _logging
+from importlib import metadata as _metadata
 
 from ._canonical import canonical_json, idempotency_key
 from ._guard import Guard
@@ -50,7 +51,11 @@ KEYED = Effect.KEYED
 UNSAFE = Effect.UNSAFE
 """Never retry blindly: one attempt, then an honest error."""
 
-__version__ = "0.1.0.dev0"
+try:
+    __version__ = _metadata.version("twiceshy")
+except _metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
+"""The installed package's version, from its metadata (pyproject.toml is its one source)."""
 
 # A library leaves handlers to the application: without one, Python's last-resort handler would
 # print twiceshy's warnings to stderr.

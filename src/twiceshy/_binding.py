@@ -1,4 +1,5 @@
-"""Binding a call's arguments to the tool's signature by name (DESIGN.md §2, "Which arguments").
+"""Binding a call's arguments to the tool's signature by name (docs/design.md §2).
+
 
 Positional and keyword spellings of one call give one mapping, an omitted parameter with a
 default gives the default, and injected parameters (framework contexts, the key itself) are left

@@ -1,4 +1,4 @@
-"""Results and errors as JSON text: never pickle (DESIGN.md §6).
+"""Results and errors as JSON text: never pickle (docs/design.md §6).
 
 A result is stored as JSON and replayed as an equal value: falsy results (``0``, ``""``, ``[]``,
 ``None``) replay as themselves, and a result whose type is the tool's annotated return type

@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast
 
 from ._binding import Binder, calls_point_of_no_return
 from ._codec import ReturnOf
 from ._drivers import aexecute, execute
 from ._reconciling import is_async
+from .typing import NOT_GIVEN, NotGiven
 
 if TYPE_CHECKING:
     from ._guard import Guard
@@ -25,15 +26,16 @@ R = TypeVar("R")
 def decorating(
     ledger: Ledger,
     *,
-    name: str | None,
+    name: str | NotGiven,
     key_param: str,
     inject: Collection[str],
-    effect_at: str | None,
+    effect_at: Literal["auto", "mark", "http"] | None,
     options: dict[str, Any],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """What ``ledger.tool(...)`` answers: a decorator protecting a function with a guard made by
     ``ledger.guard`` from ``options`` (the options :meth:`Ledger.tool` shares with it)."""
     reconcile = options.get("reconcile")
+    key_args = options.get("key_args", NOT_GIVEN)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         blocking = not is_async(fn)
@@ -47,13 +49,16 @@ def decorating(
             fn,
             key_param=key_param,
             inject=inject,
-            key_args=options.get("key_args"),
+            key_args=None if key_args is NOT_GIVEN else key_args,
             ignore_args=options.get("ignore_args", ()),
         )
-        where = effect_at
-        if where == "auto":
+        where: Literal["mark", "http"] | None
+        if effect_at == "auto":
             where = "mark" if calls_point_of_no_return(fn) else None
-        guard = ledger.guard(name or fn.__name__, returns=returns, effect_at=where, **options)  # type: ignore[arg-type]
+        else:
+            where = effect_at
+        named = fn.__name__ if name is NOT_GIVEN else name
+        guard = ledger.guard(named, returns=returns, effect_at=where, **options)
         if blocking:
             wrapper = _sync_tool(fn, guard, binder)
         else:

@@ -94,6 +94,11 @@ class Guard:
         return self._protection
 
     @property
+    def reconciler(self) -> Reconciler | None:
+        """The tool's ``reconcile=`` function, if it has one."""
+        return self._reconcile
+
+    @property
     def name(self) -> str:
         """The tool's name in keys."""
         return self.policy.tool

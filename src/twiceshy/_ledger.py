@@ -24,6 +24,7 @@ from ._runtime import Observer, Runtime
 from ._tally import Tally
 from .errors import ResultNotStorable
 from .stores import AsyncStore, CallCounts, Store, default_url, open_store, redacted_url
+from .typing import NOT_GIVEN, NotGiven
 
 __all__ = ["Duration", "Ledger"]
 
@@ -31,6 +32,15 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 Duration = float | timedelta
+
+
+def _given(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
+    """Refuse an option given as something else than ``kinds`` (``None`` included): left out,
+    it takes its default (``NOT_GIVEN``)."""
+    if value is NOT_GIVEN:
+        return
+    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+        raise TypeError(f"{name}= must be {what}, not {value!r}; leave it out for the default")
 
 
 def _seconds(value: Duration, name: str) -> float:
@@ -71,7 +81,7 @@ class Ledger:
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | NotGiven = NOT_GIVEN,
         *,
         namespace: str = "",
         store: Store | None = None,
@@ -87,14 +97,21 @@ class Ledger:
         if remember < 0:
             raise ValueError("remember= must be 0 or more")
         if store is not None:
-            if url is not None:
+            if url is not NOT_GIVEN:
                 raise ValueError("give a url or a store, not both")
             from .stores import ThreadedAsyncStore
 
             self.url = f"<{type(store).__name__}>"
             opened: tuple[Store, AsyncStore] = (store, async_store or ThreadedAsyncStore(store))
         else:
-            self.url = url if url is not None else default_url()
+            if url is NOT_GIVEN:
+                url = default_url()
+            elif not isinstance(url, str):
+                raise TypeError(
+                    f"url= must be a ledger URL (a str), not {url!r}; leave it out for "
+                    "TWICESHY_LEDGER or the default file"
+                )
+            self.url = url
             opened = open_store(self.url)
         self.namespace = namespace
         interval = None if counts_interval is None else _seconds(counts_interval, "counts_interval")
@@ -180,21 +197,21 @@ class Ledger:
         lease: Duration = 30.0,
         wait: Duration = 10.0,
         ttl: Duration | None = timedelta(hours=24),
-        key_args: Collection[str] | None = None,
+        key_args: Collection[str] | NotGiven = NOT_GIVEN,
         ignore_args: Collection[str] = (),
         definite: Collection[type[BaseException]] = (),
         not_applied: Collection[type[BaseException]] = (),
-        attempts: int | None = None,
-        backoff: Callable[[int], float] | None = None,
+        attempts: int | NotGiven = NOT_GIVEN,
+        backoff: Callable[[int], float] | NotGiven = NOT_GIVEN,
         reconcile: Reconciler | None = None,
-        record: bool | None = None,
+        record: bool | NotGiven = NOT_GIVEN,
         scope: Callable[[Mapping[str, Any]], str] | None = None,
         returns: Any = None,
         max_result_bytes: int = MAX_RESULT_BYTES,
         effect_at: Literal["mark", "http"] | None = None,
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
-        release_grace: Duration | None = None,
+        release_grace: Duration | NotGiven = NOT_GIVEN,
     ) -> Guard:
         """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
 
@@ -209,9 +226,16 @@ class Ledger:
             raise TypeError("effect= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(f"a tool name must be a non-empty string without ':' ({name!r})")
-        if record is not None and effect is not Effect.SAFE:
+        _given(record, "record", (bool,), "True or False")
+        _given(attempts, "attempts", (int,), "a whole number")
+        _given(release_grace, "release_grace", (int, float, timedelta), "a duration")
+        if backoff is not NOT_GIVEN and not callable(backoff):
+            raise TypeError(
+                "backoff= must be a function of the attempt; leave it out for the default"
+            )
+        if record is not NOT_GIVEN and effect is not Effect.SAFE:
             raise ValueError("record= applies to SAFE tools; KEYED and UNSAFE are always recorded")
-        if attempts is None:
+        if attempts is NOT_GIVEN:
             attempts = 1 if effect is Effect.UNSAFE else 3
         if attempts < 1:
             raise ValueError("attempts= must be at least 1")
@@ -238,23 +262,25 @@ class Ledger:
             wait=_seconds(wait, "wait"),
             ttl=None if ttl is None else _seconds(ttl, "ttl"),
             attempts=attempts,
-            backoff=backoff or exponential_backoff(),
+            backoff=exponential_backoff() if backoff is NOT_GIVEN else backoff,
             definite=tuple(definite),
             not_applied=tuple(not_applied),
             codec=codec,
             reconcile=reconcile is not None,
             effect_at=effect_at,
             release_grace=(
-                2 * lease_s if release_grace is None else _seconds(release_grace, "release_grace")
+                2 * lease_s
+                if release_grace is NOT_GIVEN
+                else _seconds(release_grace, "release_grace")
             ),
         )
         return Guard(
             self,
             policy,
-            recorded=effect is not Effect.SAFE or bool(record),
+            recorded=effect is not Effect.SAFE or record is True,
             reconcile=reconcile,
             scope=scope,
-            key_args=key_args,
+            key_args=None if key_args is NOT_GIVEN else key_args,
             ignore_args=ignore_args,
             max_arg_bytes=max_arg_bytes,
             max_arg_depth=max_arg_depth,
@@ -264,18 +290,18 @@ class Ledger:
         self,
         *,
         effect: Effect,
-        name: str | None = None,
+        name: str | NotGiven = NOT_GIVEN,
         lease: Duration = 30.0,
         wait: Duration = 10.0,
         ttl: Duration | None = timedelta(hours=24),
-        key_args: Collection[str] | None = None,
+        key_args: Collection[str] | NotGiven = NOT_GIVEN,
         ignore_args: Collection[str] = (),
         definite: Collection[type[BaseException]] = (),
         not_applied: Collection[type[BaseException]] = (),
-        attempts: int | None = None,
-        backoff: Callable[[int], float] | None = None,
+        attempts: int | NotGiven = NOT_GIVEN,
+        backoff: Callable[[int], float] | NotGiven = NOT_GIVEN,
         reconcile: Reconciler | None = None,
-        record: bool | None = None,
+        record: bool | NotGiven = NOT_GIVEN,
         scope: Callable[[Mapping[str, Any]], str] | None = None,
         key_param: str = "idempotency_key",
         inject: Collection[str] = (),
@@ -283,7 +309,7 @@ class Ledger:
         effect_at: Literal["auto", "mark", "http"] | None = "auto",
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
-        release_grace: Duration | None = None,
+        release_grace: Duration | NotGiven = NOT_GIVEN,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Protect a tool (``def`` or ``async def``); the decorated tool keeps its signature.
 

@@ -1,6 +1,6 @@
 """Settled outcomes this process has seen, kept to answer its own retries without the store.
 
-A SUCCEEDED or FAILED record never changes until it expires (DESIGN.md §3), so a copy of it
+A SUCCEEDED or FAILED record never changes until it expires (docs/design.md §3), so a copy of it
 answers a retry exactly as the store would, for as long as the store would still hold it. That
 deadline is judged on this process's monotonic clock: the record's remaining retention, as the
 store's clock measured it in its answer, counted from when the command was *sent* (never from

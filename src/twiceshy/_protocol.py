@@ -1,4 +1,4 @@
-"""The protocol of one protected call, with no I/O (DESIGN.md §3 to §5).
+"""The protocol of one protected call, with no I/O (docs/design.md §3, §4, §8).
 
 Every decision twiceshy makes about a call lives here: when to claim, replay, wait, take over,
 reconcile or refuse, how to read a tool's exception, when to retry in place. The protocol is a
@@ -87,7 +87,7 @@ TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
     (_U, _F): frozenset({Actor.RECONCILER, Actor.OWNER}),
     (_U, _R): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: its work did not apply
 }
-"""Every transition a record may take, and who may take it (DESIGN.md §3)."""
+"""Every transition a record may take, and who may take it (docs/design.md §3)."""
 
 MAX_STEPS: Final = 100
 """A bound on the protocol's rounds that are not waits; reaching it is a store fault."""
@@ -95,7 +95,7 @@ MAX_STEPS: Final = 100
 LEASE_TRUST: Final = 0.5
 """The part of a new lease an owner trusts, on its own monotonic clock from before it asked.
 
-Past that, before running the work, it renews the lease first (DESIGN.md §3: the owner stops
+Past that, before running the work, it renews the lease first (docs/design.md §3: the owner stops
 trusting its lease before the store would let it lapse).
 """
 
@@ -296,7 +296,7 @@ class _Kind(enum.Enum):
 
 
 def _classify(policy: Policy, error: BaseException) -> _Kind:
-    """What a tool's exception says about its effect (DESIGN.md §4), recorded or not."""
+    """What a tool's exception says about its effect (docs/design.md §4), recorded or not."""
     if isinstance(error, NotApplied) or (
         policy.not_applied and isinstance(error, policy.not_applied)
     ):

@@ -9,18 +9,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ._protocol import DidNotHappen, Happened
+from .typing import Reconciler
 
 __all__ = ["Reconciler", "areconciled", "awaited", "is_async", "loop_running", "reconciled"]
 
 log = logging.getLogger("twiceshy")
-
-Reconciler = Callable[[str, Mapping[str, Any] | None], Any]
-"""``reconcile(key, arguments)``: ``Happened(result)``, ``DidNotHappen()`` or ``None``.
-
-``arguments`` is ``None`` when an operator reconciles a parked record outside any call
-(:meth:`Guard.settle`, ``twiceshy reconcile``): the ledger keeps no arguments, only their
-fingerprint, so a reconciler that can look the effect up by the key alone serves both cases.
-"""
 
 
 async def awaited(answer: Awaitable[Any], key: str) -> Any:

@@ -22,7 +22,7 @@ __all__ = [
 
 
 class Effect(enum.Enum):
-    """What a tool declares about itself (DESIGN.md §4)."""
+    """What a tool declares about itself (docs/design.md §4)."""
 
     #: Safe to retry: reads, searches, computations. Not kept in the ledger unless asked.
     SAFE = "safe"
@@ -37,7 +37,7 @@ class Effect(enum.Enum):
 
 
 class State(enum.Enum):
-    """The state of one key's record (DESIGN.md §3)."""
+    """The state of one key's record (docs/design.md §3)."""
 
     #: An owner is running the work under a lease.
     CLAIMED = "claimed"

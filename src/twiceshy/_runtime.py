@@ -19,18 +19,11 @@ from ._records import CallEvent, Effect, Outcome
 from ._tally import Tally
 from .errors import clearing
 from .stores import AsyncStore, Store
+from .typing import Observer
 
 __all__ = ["Observer", "Runtime"]
 
 log = logging.getLogger("twiceshy")
-
-Observer = Callable[[CallEvent], None]
-"""Told of every protected call once it is answered (metrics, traces).
-
-An observer may also have a method ``around(tool, effect)`` returning a context manager: it is
-entered in the caller's context before the call starts and left once the call is answered (after
-the observer is told), so what the tool does inside it (a tracer's spans) nests under it.
-"""
 
 
 class Runtime:

@@ -3,7 +3,7 @@
 Context variables follow the code through ``await``, ``asyncio`` tasks and ``asyncio.to_thread``;
 a bare thread starts with none, so a tool that hands work to a thread passes the key itself.
 
-While a protected call runs, the scope is one derived from its key (DESIGN.md §2, "Scope of
+While a protected call runs, the scope is one derived from its key (docs/design.md §2, "Scope of
 nested runs"): an agent run started inside the tool (a sub-agent, a handoff, a subgraph) names
 its intents inside the outer intent, so every retry of the outer call names the same inner ones,
 and two different outer calls never share one. A ``twiceshy.run(...)`` entered inside the tool

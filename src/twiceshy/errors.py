@@ -23,6 +23,19 @@
         ├── EvictionPolicyRefused           a Redis server that may evict the ledger's records
         └── OutcomeNotRecorded              the tool ran; the ledger failed to record how it ended
 
+The framework adapters add their own leaves, raised before anything runs and meant to end the
+run (they also subclass the framework's own error for that)::
+
+    MissingScope
+    └── ScopeNotFound             twiceshy.integrations.langchain (a LangGraph bubble-up signal)
+    TwiceshyError
+    ├── EffectNotDeclared         twiceshy.integrations.langchain, .pydantic_ai: a tool with no
+    │                             declared effect class and no default=
+    └── (an adapter's words for the model are these errors' texts, never new types)
+
+``twiceshy.integrations.mcp.ToolFailed`` is no twiceshy error: it stands for a tool's own
+``isError`` answer inside the guard, read like any exception of the tool.
+
 ``OutcomeUnknown``, ``InProgress`` and a replayed ``ResultNotStorable`` carry a message written
 for the model that called the tool: what happened, that the call will not be run again by itself,
 and what to tell the user.

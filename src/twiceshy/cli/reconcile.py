@@ -166,9 +166,9 @@ def reconcile(
     with opened(ledger_url) as store:
         ledger = twiceshy.Ledger(store=store, namespace=namespace)
         for name, (guard, _) in guards.items():
-            if guard._reconcile is None:  # policy.reconcile says it has one
+            if guard.reconciler is None:  # policy.reconcile says it has one
                 continue
-            asked = _Asked(guard._reconcile)
+            asked = _Asked(guard.reconciler)
             on_ledger = _on(ledger, guard, asked)
             for record in store.records(namespace, states=[State.UNKNOWN], tool=name):
                 row: dict[str, Any] = {"key": record.key, "tool": name}

@@ -5,7 +5,7 @@ twiceshy's answers for the model.
   and the framework's injected parameters left out, from the positional and keyword arguments
   the framework's own parsing and validation produced. A model that sends ``"2"`` for an ``int``
   parameter, or leaves out an optional one, names the same intent as one that sends ``2`` or
-  the default (DESIGN.md §2, "Which arguments"). Given the JSON the model sent, a value the
+  the default (docs/design.md §2, "Which arguments"). Given the JSON the model sent, a value the
   framework made with a ``default_factory`` for an argument or field the model left out (a
   fresh id, the time) is left out of the intent, at any depth: it names nothing the model asked
   for, and keying it would make every retry a new intent.

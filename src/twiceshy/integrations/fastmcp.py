@@ -223,7 +223,7 @@ def _validated(adapter: TypeAdapter[Any], arguments: dict[str, Any], strict: boo
 def _intent(
     fn: Callable[..., Any] | None, arguments: Mapping[str, Any], schema: object, strict: bool
 ) -> tuple[dict[str, Any], bool]:
-    """The arguments that name the intent: those the tool's function receives (DESIGN.md §2),
+    """The arguments that name the intent: those the tool's function receives (docs/design.md §2),
     else the JSON arguments with the schema's defaults for omitted ones; and whether the
     arguments were validated here as FastMCP validates them (then a ``ValidationError`` from
     the call is the tool's own, raised by its body).

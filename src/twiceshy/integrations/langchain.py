@@ -532,7 +532,7 @@ def _with_defaults(request: ToolCallRequest) -> dict[str, Any]:
     """``tool_call["args"]`` with the tool schema's plain defaults for omitted parameters.
 
     A model may leave out an optional parameter once and send its default the next time: one
-    intent (DESIGN.md §2). Defaults made by a factory are left out: they may differ every call.
+    intent (docs/design.md §2). Defaults made by a factory are left out: they may differ every call.
     A value the model sent for an injected parameter (``InjectedState``, ``InjectedToolCallId``,
     ``ToolRuntime``...) is left out too: ``ToolNode`` replaces it, so it names nothing.
     """

@@ -311,7 +311,7 @@ def _registered(server: MCPServer[Any] | None, name: str) -> Any:
 
 
 def _intent(tool: Any, arguments: Mapping[str, Any], schema: object) -> dict[str, Any] | None:
-    """The arguments that name the intent: those the tool's function receives (DESIGN.md §2).
+    """The arguments that name the intent: those the tool's function receives (docs/design.md §2).
 
     That is the server's own validation of ``arguments`` (``FuncMetadata.validate_arguments``,
     the very step ``Tool.run`` takes first), bound to the function's signature without the
