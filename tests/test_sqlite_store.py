@@ -110,7 +110,7 @@ def test_wal_when_forced(db: Path) -> None:
 
 
 def _pragma_synchronous(store: SQLiteStore) -> str:
-    with store._connection() as conn:
+    with store._files.lend() as conn:
         level = conn.execute("PRAGMA synchronous").fetchone()[0]
     return ("OFF", "NORMAL", "FULL", "EXTRA")[level]
 
@@ -128,7 +128,7 @@ def test_synchronous_survives_a_power_cut_by_default(
         expected = "FULL" if store.journal_mode == "wal" else "EXTRA"
         assert store.synchronous == expected
         assert _pragma_synchronous(store) == expected
-        with store._connection() as conn:
+        with store._files.lend() as conn:
             assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 30_000
     finally:
         store.close()
@@ -205,7 +205,7 @@ def test_from_url_paths_and_parameters(tmp_path: Path, monkeypatch: pytest.Monke
         assert store.path == str(absolute)
         assert store.journal_mode == "wal"
         assert store.synchronous == "EXTRA"
-        with store._connection() as conn:
+        with store._files.lend() as conn:
             assert conn.execute("PRAGMA synchronous").fetchone()[0] == 3
             assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2_500
     finally:
@@ -291,7 +291,7 @@ def test_the_largest_busy_timeout_opens(db: Path) -> None:
     """busy_timeout up to SQLite's limit (about 24 days) is what SQLite waits."""
     store = SQLiteStore(db, busy_timeout=timedelta(seconds=2_147_483))
     try:
-        with store._connection() as conn:
+        with store._files.lend() as conn:
             assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == 2_147_483_000
     finally:
         store.close()
@@ -437,7 +437,7 @@ def test_busy_file_raises_unavailable_and_leaves_no_transaction(db: Path) -> Non
         blocker.execute("ROLLBACK")
         assert _claim(store, "alice").won
         # The pool holds no connection with a transaction left open.
-        with store._connection() as conn:
+        with store._files.lend() as conn:
             assert not conn.in_transaction
     finally:
         blocker.close()
@@ -589,7 +589,7 @@ def _in_forked_child(target: Callable[..., None], *args: Any) -> tuple[Any, ...]
 def _child_claims(store: SQLiteStore, results: Queue[tuple[Any, ...]]) -> None:
     try:
         snap = _claim(store, "child", key="from-child")
-        results.put((snap.won, store._pid == os.getpid()))
+        results.put((snap.won, store._files.pid == os.getpid()))
     except BaseException as exc:
         results.put(("error", repr(exc)))
 
@@ -606,7 +606,7 @@ def test_forked_child_opens_its_own_connections(db: Path) -> None:
         snap = store.get(NS, "from-child")
         assert snap.record is not None
         assert snap.record.owner == "child"
-        assert store._pid == os.getpid()
+        assert store._files.pid == os.getpid()
     finally:
         store.close()
 

@@ -1,7 +1,8 @@
 """``memory://``: a store inside one process, for tests and single-process agents.
 
-Records live in a dict guarded by one condition variable; waiters wake on every write. The clock
-is injectable so tests can travel in time.
+Records live in a dict guarded by one condition variable; waiters wake on every write. Writes
+apply the reference semantics of ``twiceshy._records`` directly. The clock is injectable so tests
+can travel in time. Retention, waiting and forks are described in docs/stores/memory.md.
 """
 
 from __future__ import annotations

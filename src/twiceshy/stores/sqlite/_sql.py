@@ -1,0 +1,318 @@
+"""Every statement the SQLite store runs, the values each one binds, and rows read back as records.
+
+Values are always bound, never formatted in. Only enum values, the fixed column list and settings
+the store has already checked (a journal mode, a ``synchronous`` level, a timeout) are spliced in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from ..._records import FINAL_STATES, Change, Effect, Record, State
+from ...errors import StoreError
+
+SCHEMA_VERSION: Final = 1
+
+# -- the schema -----------------------------------------------------------------------------
+
+COLUMNS: Final = (
+    "namespace, key, fingerprint, tool, effect, state, fence, owner, lease_deadline, attempts, "
+    "result, error, reason, created_at, updated_at, expires_at"
+)
+
+SCHEMA: Final = (
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_meta (
+        name  TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID
+    """,
+    f"""
+    INSERT INTO twiceshy_meta (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}')
+    ON CONFLICT (name) DO NOTHING
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_records (
+        namespace      TEXT    NOT NULL,
+        key            TEXT    NOT NULL,
+        fingerprint    TEXT    NOT NULL,
+        tool           TEXT    NOT NULL,
+        effect         TEXT    NOT NULL,
+        state          TEXT    NOT NULL,
+        fence          INTEGER NOT NULL,
+        owner          TEXT    NOT NULL,
+        lease_deadline REAL,
+        attempts       INTEGER NOT NULL,
+        result         TEXT,
+        error          TEXT,
+        reason         TEXT,
+        created_at     REAL    NOT NULL,
+        updated_at     REAL    NOT NULL,
+        expires_at     REAL,
+        PRIMARY KEY (namespace, key)
+    ) WITHOUT ROWID
+    """,
+    # records(): one namespace, newest first.
+    """
+    CREATE INDEX IF NOT EXISTS twiceshy_records_by_created
+    ON twiceshy_records (namespace, created_at)
+    """,
+    # purge_expired(): only rows that can expire at all.
+    """
+    CREATE INDEX IF NOT EXISTS twiceshy_records_by_expiry
+    ON twiceshy_records (expires_at) WHERE expires_at IS NOT NULL
+    """,
+    # Call counts by tool and outcome, summed over every process (added after version 1's
+    # first release: IF NOT EXISTS brings older files up to date).
+    """
+    CREATE TABLE IF NOT EXISTS twiceshy_counts (
+        namespace TEXT    NOT NULL,
+        tool      TEXT    NOT NULL,
+        outcome   TEXT    NOT NULL,
+        count     INTEGER NOT NULL,
+        PRIMARY KEY (namespace, tool, outcome)
+    ) WITHOUT ROWID
+    """,
+)
+
+SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
+
+# A real (if idempotent) write: it makes a read-only file fail at construction, not at a claim.
+TOUCH_SCHEMA_VERSION: Final = "UPDATE twiceshy_meta SET value = value WHERE name = 'schema_version'"
+
+# Which of the ledger's tables a file holds: a plain read of the schema, before anything is
+# written (the journal mode included).
+LEDGER_TABLES: Final = """
+    SELECT name FROM sqlite_master
+    WHERE type = 'table' AND name IN ('twiceshy_meta', 'twiceshy_records', 'twiceshy_counts')
+"""
+# Without these two a file is no ledger; the call counts table is added where it is missing.
+CORE_TABLES: Final = frozenset({"twiceshy_meta", "twiceshy_records"})
+ALL_TABLES: Final = CORE_TABLES | {"twiceshy_counts"}
+
+# -- transactions and settings --------------------------------------------------------------
+
+# A write transaction takes the one writer's lock up front.
+BEGIN: Final = "BEGIN IMMEDIATE"
+COMMIT: Final = "COMMIT"
+ROLLBACK: Final = "ROLLBACK"
+JOURNAL_MODE: Final = "PRAGMA journal_mode"
+
+
+def set_journal_mode(mode: str) -> str:
+    """The statement that puts the file in ``mode`` (one of the checked journal modes)."""
+    return f"PRAGMA journal_mode = {mode}"
+
+
+def set_busy_timeout(seconds: float) -> str:
+    """The statement that makes a connection wait ``seconds`` for another writer."""
+    return f"PRAGMA busy_timeout = {round(seconds * 1000)}"
+
+
+def set_synchronous(level: str) -> str:
+    """The statement that sets a connection's ``synchronous`` (one of the checked levels)."""
+    return f"PRAGMA synchronous = {level}"
+
+
+# -- records --------------------------------------------------------------------------------
+
+SELECT_RECORD: Final = f"""
+    SELECT {COLUMNS} FROM twiceshy_records WHERE namespace = :namespace AND key = :key
+"""
+
+# Insert a fresh claim, or replace a record past its retention with fence + 1, answering the
+# record written. A live record (any state) is left alone and nothing is answered; the caller
+# then reads it in the same transaction.
+CLAIM: Final = f"""
+    INSERT INTO twiceshy_records ({COLUMNS})
+    VALUES (:namespace, :key, :fingerprint, :tool, :effect, :state, :fence, :owner,
+            :lease_deadline, :attempts, NULL, NULL, NULL, :now, :now, NULL)
+    ON CONFLICT (namespace, key) DO UPDATE SET
+        fingerprint    = excluded.fingerprint,
+        tool           = excluded.tool,
+        effect         = excluded.effect,
+        state          = excluded.state,
+        fence          = twiceshy_records.fence + 1,
+        owner          = excluded.owner,
+        lease_deadline = excluded.lease_deadline,
+        attempts       = excluded.attempts,
+        result         = NULL,
+        error          = NULL,
+        reason         = NULL,
+        created_at     = excluded.created_at,
+        updated_at     = excluded.updated_at,
+        expires_at     = NULL
+    WHERE twiceshy_records.expires_at IS NOT NULL
+      AND twiceshy_records.expires_at <= excluded.created_at
+    RETURNING {COLUMNS}
+"""
+
+# The five ``:sN`` slots hold the allowed states, padded with NULL (``x IN (NULL)`` is never
+# true), so one constant statement serves every ``from_states``.
+_STATE_SLOTS: Final = tuple(f"s{i}" for i in range(len(State)))
+_STATES_IN: Final = "state IN (" + ", ".join(f":{slot}" for slot in _STATE_SLOTS) + ")"
+
+# One guarded compare-and-set; it sets exactly what ``apply_change`` sets, and answers the record
+# written (nothing when a guard fails). Values that depend only on the change and the clock are
+# computed in Python and bound (write_params).
+WRITE: Final = f"""
+    UPDATE twiceshy_records SET
+        state          = :to,
+        fence          = fence + :bump,
+        owner          = COALESCE(:new_owner, owner),
+        lease_deadline = CASE WHEN :keep_deadline THEN lease_deadline ELSE :lease_deadline END,
+        attempts       = attempts + :add_attempts,
+        result         = :result,
+        error          = :error,
+        reason         = :reason,
+        updated_at     = :now,
+        expires_at     = :expires_at
+    WHERE namespace = :namespace
+      AND key = :key
+      AND fence = :fence
+      AND {_STATES_IN}
+      AND (:owner IS NULL OR owner = :owner)
+      AND (NOT :lapsed OR (lease_deadline IS NOT NULL AND lease_deadline <= :now))
+      AND (expires_at IS NULL OR expires_at > :now)
+    RETURNING {COLUMNS}
+"""
+
+RECORDS: Final = f"""
+    SELECT {COLUMNS} FROM twiceshy_records
+    WHERE namespace = :namespace
+      AND (expires_at IS NULL OR expires_at > :now)
+      AND (:all_states OR {_STATES_IN})
+      AND (:tool IS NULL OR tool = :tool)
+    ORDER BY created_at DESC
+    LIMIT :limit
+"""
+
+_FINAL_VALUES: Final = ", ".join(f"'{s.value}'" for s in State if s in FINAL_STATES)
+
+PURGE: Final = f"""
+    DELETE FROM twiceshy_records
+    WHERE expires_at IS NOT NULL
+      AND expires_at <= :now
+      AND state IN ({_FINAL_VALUES})
+      AND (:namespace IS NULL OR namespace = :namespace)
+"""
+
+# -- call counts ----------------------------------------------------------------------------
+
+ADD_COUNT: Final = """
+    INSERT INTO twiceshy_counts (namespace, tool, outcome, count) VALUES (?, ?, ?, ?)
+    ON CONFLICT (namespace, tool, outcome) DO UPDATE SET count = count + excluded.count
+"""
+
+COUNTS: Final = "SELECT tool, outcome, count FROM twiceshy_counts WHERE namespace = ?"
+
+# -- what the statements bind ---------------------------------------------------------------
+
+
+def claim_params(fresh: Record, now: float) -> dict[str, object]:
+    """What :data:`CLAIM` binds to insert ``fresh``, the record a winning claim writes."""
+    return {
+        "namespace": fresh.namespace,
+        "key": fresh.key,
+        "fingerprint": fresh.fingerprint,
+        "tool": fresh.tool,
+        "effect": fresh.effect.value,
+        "state": fresh.state.value,
+        "fence": fresh.fence,
+        "owner": fresh.owner,
+        "lease_deadline": fresh.lease_deadline,
+        "attempts": fresh.attempts,
+        "now": now,
+    }
+
+
+def write_params(namespace: str, key: str, change: Change, now: float) -> dict[str, object]:
+    """What :data:`WRITE` binds: the guard of ``change`` and what it sets, at ``now``."""
+    to = change.to
+    return {
+        "namespace": namespace,
+        "key": key,
+        "fence": change.fence,
+        "owner": change.owner,
+        "lapsed": change.lapsed,
+        "now": now,
+        "to": to.value,
+        "bump": 1 if change.new_owner is not None else 0,
+        "new_owner": change.new_owner,
+        "keep_deadline": to is State.CLAIMED and change.lease is None,
+        "lease_deadline": (
+            now + change.lease if to is State.CLAIMED and change.lease is not None else None
+        ),
+        "add_attempts": 1 if change.new_owner is not None or change.count_attempt else 0,
+        "result": change.result if to is State.SUCCEEDED else None,
+        "error": change.error if to in (State.FAILED, State.UNKNOWN) else None,
+        "reason": change.reason if to is State.UNKNOWN else None,
+        "expires_at": (now + change.ttl if to in FINAL_STATES and change.ttl is not None else None),
+        **state_slots(change.from_states),
+    }
+
+
+def records_params(
+    namespace: str, now: float, states: Iterable[State] | None, tool: str | None, limit: int | None
+) -> dict[str, object]:
+    """What :data:`RECORDS` binds: ``None`` is every state, any tool, no limit."""
+    return {
+        "namespace": namespace,
+        "now": now,
+        "all_states": states is None,
+        "tool": tool,
+        "limit": -1 if limit is None else max(limit, 0),
+        **state_slots(states if states is not None else ()),
+    }
+
+
+def state_slots(states: Iterable[State]) -> dict[str, str | None]:
+    """The ``:sN`` slots that stand for ``states``."""
+    states = frozenset(states)
+    slots = _SLOTS.get(states)
+    if slots is None:
+        values: list[str | None] = [s.value for s in sorted(states, key=lambda s: s.value)]
+        values += [None] * (len(_STATE_SLOTS) - len(values))
+        slots = _SLOTS[states] = dict(zip(_STATE_SLOTS, values, strict=True))
+    return slots
+
+
+# The slots of each set of states, made once: a write binds them on every call. There are at
+# most 2**5 sets.
+_SLOTS: dict[frozenset[State], dict[str, str | None]] = {}
+
+# -- rows read back -------------------------------------------------------------------------
+
+_EFFECTS: Final = {e.value: e for e in Effect}
+_STATES: Final = {s.value: s for s in State}
+
+
+def to_record(row: Sequence[Any]) -> Record:
+    """The record a row of :data:`COLUMNS` holds.
+
+    Raises:
+        StoreError: the row holds an unknown state or effect, or a value of the wrong type.
+    """
+    # Columns are in Record's field order (COLUMNS); only the two enums need converting.
+    try:
+        return Record(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            _EFFECTS[row[4]],
+            _STATES[row[5]],
+            row[6],
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+            row[12],
+            row[13],
+            row[14],
+            row[15],
+        )
+    except (KeyError, TypeError) as exc:
+        raise StoreError(f"SQLite ledger: unreadable record {row[0]!r}/{row[1]!r}: {exc}") from exc
