@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake clock and a store of every kind, built on that clock."""
+"""Shared fixtures: a fake clock and a store of every kind, built on that clock, blocking or
+async."""
 
 from __future__ import annotations
 
@@ -9,74 +10,66 @@ from pathlib import Path
 import pytest
 
 import servers
-from twiceshy.stores import Store
+from awaited_store import AwaitedStore
+from fake_clock import FakeClock
+from twiceshy.stores import AsyncStore, Store, ThreadedAsyncStore
 from twiceshy.stores.memory import MemoryStore
 from twiceshy.stores.sqlite import SQLiteStore
 
-
-class FakeClock:
-    """A store clock that moves only when told to (seconds since the epoch)."""
-
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        """Move the clock forward by ``seconds``."""
-        self.now += seconds
-
-
 SERVERS = ("postgres", "redis")
 
-Factory = Callable[[FakeClock, Path], tuple[Store, Callable[[], None]]]
+#: A store opened for a test: the blocking store, its async twin (as ``open_store`` pairs them),
+#: and how to clean up after both.
+Opened = tuple[Store, AsyncStore, Callable[[], None]]
+Factory = Callable[[FakeClock, Path], Opened]
 
 
-def _memory(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+def _memory(clock: FakeClock, tmp_path: Path) -> Opened:
     store = MemoryStore(clock=clock)
-    return store, store.close
+    return store, ThreadedAsyncStore(store, threaded=False), store.close
 
 
-def _sqlite(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+def _sqlite(clock: FakeClock, tmp_path: Path) -> Opened:
     store = SQLiteStore(tmp_path / "ledger.db", clock=clock)
-    return store, store.close
+    return store, ThreadedAsyncStore(store), store.close
 
 
-def _postgres(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+def _postgres(clock: FakeClock, tmp_path: Path) -> Opened:
     """A PostgreSQL store in a schema of its own, dropped afterwards."""
     url = servers.require("postgres")
 
-    from twiceshy.stores.postgres import PostgresStore
+    from twiceshy.stores.postgres import AsyncPostgresStore, PostgresStore
 
     schema = f"twiceshy_test_{secrets.token_hex(6)}"
     store = PostgresStore(url, schema=schema, clock=clock)
+    twin = AsyncPostgresStore(url, schema=schema, clock=clock)  # connects on first use
 
     def cleanup() -> None:
         store.close()
         servers.drop_schema(url, schema)
 
-    return store, cleanup
+    return store, twin, cleanup
 
 
-def _redis(clock: FakeClock, tmp_path: Path) -> tuple[Store, Callable[[], None]]:
+def _redis(clock: FakeClock, tmp_path: Path) -> Opened:
     """A Redis store under a key prefix of its own, whose keys are deleted afterwards."""
     url = servers.require("redis")
 
-    from twiceshy.stores.redis import RedisStore
+    from twiceshy.stores.redis import AsyncRedisStore, RedisStore
 
     prefix = f"twiceshy-test:{secrets.token_hex(6)}"
     store = RedisStore(url, prefix=prefix, clock=clock)
 
     def cleanup() -> None:
-        store.close()
+        store.close()  # and its twin's subscriber with it
         servers.delete_prefix(url, prefix)
 
-    return store, cleanup
+    return store, AsyncRedisStore.twin(store), cleanup
 
 
 #: Every store the contract suite runs against: name -> factory(clock, tmp_path), which answers
-#: the store and how to clean up after it. The server stores skip (fail in CI) without a server.
+#: the store, its async twin and how to clean up after them. The server stores skip (fail in
+#: CI) without a server.
 STORE_FACTORIES: dict[str, Factory] = {
     "memory": _memory,
     "sqlite": _sqlite,
@@ -84,8 +77,17 @@ STORE_FACTORIES: dict[str, Factory] = {
     "redis": _redis,
 }
 
-STORE_PARAMS = [
-    pytest.param(name, id=name, marks=[getattr(pytest.mark, name)] if name in SERVERS else [])
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    return [getattr(pytest.mark, name)] if name in SERVERS else []
+
+
+STORE_PARAMS = [pytest.param(name, id=name, marks=_marks(name)) for name in STORE_FACTORIES]
+
+#: Each store kind blocking (``memory``, ...) and then its async twin (``memory-async``, ...).
+TWIN_PARAMS = [
+    pytest.param((name, twin), id=f"{name}-async" if twin else name, marks=_marks(name))
+    for twin in (False, True)
     for name in STORE_FACTORIES
 ]
 
@@ -99,9 +101,30 @@ def clock() -> FakeClock:
 @pytest.fixture(params=STORE_PARAMS)
 def store(request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path) -> Iterator[Store]:
     """Each store kind in turn, on the fake clock; cleaned up afterwards."""
-    opened, cleanup = STORE_FACTORIES[request.param](clock, tmp_path)
+    opened, _, cleanup = STORE_FACTORIES[request.param](clock, tmp_path)
     yield opened
     cleanup()
+
+
+@pytest.fixture(params=TWIN_PARAMS)
+def store_or_twin(
+    request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
+) -> Iterator[Store]:
+    """Each store kind in turn, blocking and then its async twin behind :class:`AwaitedStore`
+    (the store contract suite's stores), on the fake clock; cleaned up afterwards."""
+    name, twin = request.param
+    opened, async_twin, cleanup = STORE_FACTORIES[name](clock, tmp_path)
+    try:
+        if not twin:
+            yield opened
+            return
+        awaited = AwaitedStore(async_twin, opened)
+        try:
+            yield awaited
+        finally:
+            awaited.close()
+    finally:
+        cleanup()
 
 
 @pytest.fixture

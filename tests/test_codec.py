@@ -1,10 +1,12 @@
-"""Results as JSON: what a replay rebuilds from a tool's return annotation."""
+"""Results and errors as JSON: what a replay rebuilds from a tool's return annotation, and the
+class and message a recorded failure is replayed with."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import enum
+import logging
 import uuid
 from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -330,3 +332,83 @@ def test_a_definite_error_whose_message_cannot_be_read_is_still_recorded() -> No
     assert runs == [1]
     (record,) = ledger.store.records("")
     assert record.state is twiceshy.State.FAILED
+
+
+# -- errors and late types on replay ----------------------------------------------------------
+
+
+class PaymentError(Exception):
+    """A failure the tool lists as certain."""
+
+
+class CardDeclined(PaymentError):
+    """A kind of it the tool does not list by name."""
+
+
+def test_a_listed_failure_of_a_subclass_replays_as_the_listed_type() -> None:
+    """A subclass of a ``definite=`` failure is replayed as the listed class, with its message."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED, definite=(PaymentError,))
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        raise CardDeclined("the card was declined")
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(CardDeclined):
+            charge(4900)
+        with pytest.raises(PaymentError, match="the card was declined") as replayed:
+            charge(4900)  # the caller's `except PaymentError` holds for the replay too
+    assert type(replayed.value) is PaymentError
+    assert runs == [4900]
+
+
+@pytest.mark.parametrize("effect", [twiceshy.UNSAFE, twiceshy.KEYED])
+def test_an_error_whose_message_cannot_be_read_is_recorded_as_unknown(
+    effect: twiceshy.Effect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller gets the honest answer, not the message's own error; nothing stays claimed."""
+    caplog.set_level(logging.DEBUG, logger="twiceshy")  # every call's log line is written
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=effect, attempts=1)
+    def wire(amount: int) -> None:
+        runs.append(amount)
+        raise Garbled
+
+    expected = twiceshy.OutcomeUnknown if effect is twiceshy.UNSAFE else Garbled
+    with twiceshy.run("run-garbled"), pytest.raises(expected):
+        wire(1)
+    records = ledger.store.records("")
+    assert [r.state for r in records] == [twiceshy.State.UNKNOWN]
+    assert "message could not be read" in (records[0].reason or "")
+    assert "Garbled" in caplog.text
+    assert runs == [1]
+
+
+# Decorated when this module is imported, before the class it returns is defined.
+LATE = twiceshy.Ledger("memory://", counts_interval=None)
+
+
+@LATE.tool(effect=twiceshy.KEYED)
+def issue_receipt(amount: int) -> LateReceipt:
+    return LateReceipt("rc_1", amount)
+
+
+@dataclasses.dataclass(frozen=True)
+class LateReceipt:
+    """Defined after the tool that returns it."""
+
+    id: str
+    amount: int
+
+
+def test_a_return_type_defined_after_the_tool_is_rebuilt_on_replay() -> None:
+    """A return annotation naming a class defined after the tool is resolved when replayed."""
+    with twiceshy.run("run-1"):
+        first = issue_receipt(5)
+        again = issue_receipt(5)
+    assert again == first
+    assert type(again) is LateReceipt

@@ -1,11 +1,15 @@
 """A call interrupted while its tool runs (a cancelled task, Ctrl-C) records that its outcome is
 unknown before the interruption goes on, so the next call gets an honest answer at once instead
-of waiting for a lease that nobody renews any more."""
+of waiting for a lease that nobody renews any more. Interrupted around a store command (Ctrl-C
+right after a claim commits, a task cancelled twice, at any moment), a call gives its claim back
+or records the doubt: it never leaves a claim that nobody renews."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +17,9 @@ from typing import Any
 import pytest
 
 import twiceshy
-from twiceshy import State
-from twiceshy.stores import Store
+from twiceshy import Change, Snapshot, State
+from twiceshy.stores import Store, ThreadedAsyncStore
+from twiceshy.stores.memory import MemoryStore
 
 
 def only_record(store: Store) -> twiceshy.Record:
@@ -280,3 +285,189 @@ def test_a_call_cancelled_while_its_claim_is_under_way_gives_the_claim_back(
     assert asyncio.run(main()) == "charged"
     assert runs == [4900]
     ledger.close()
+
+
+# -- interrupted around a store command -------------------------------------------------------
+
+
+def states(store: Any) -> list[State]:
+    return [record.state for record in store.records("", states=list(State))]
+
+
+class InterruptedAfterOp(MemoryStore):
+    """Ctrl-C lands right after the ``n``-th claim or write of the caller's thread committed."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def _tick(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.n -= 1
+            if self.n == 0:
+                raise KeyboardInterrupt
+
+    def claim(self, namespace: str, key: str, **options: Any) -> Snapshot:
+        snap = super().claim(namespace, key, **options)
+        self._tick()
+        return snap
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        snap = super().write(namespace, key, change)
+        self._tick()
+        return snap
+
+
+@pytest.mark.parametrize(
+    ("effect", "n", "after"),
+    [
+        (twiceshy.UNSAFE, 1, State.RELEASED),  # right after the claim: the tool never ran
+        (twiceshy.KEYED, 2, State.UNKNOWN),  # right after an in-place retry's renewal
+    ],
+)
+def test_ctrl_c_right_after_a_blocking_store_write_leaves_no_claim_unrenewed(
+    effect: twiceshy.Effect, n: int, after: State
+) -> None:
+    """Ctrl-C in a store command of a blocking call is given back, as a cancellation is."""
+    store = InterruptedAfterOp(n)
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=effect, wait=0.05, backoff=lambda attempt: 0.0)
+    def charge(amount: int) -> str:
+        runs.append(amount)
+        if effect is twiceshy.KEYED and len(runs) == 1:
+            raise TimeoutError("read timed out")
+        return "charged"
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(KeyboardInterrupt):
+            charge(5)
+        assert states(store) == [after]
+        assert charge(5) == "charged"  # at once, not InProgress until the lease lapses
+
+
+class SlowClaim(MemoryStore):
+    """Every claim commits, and answers 0.3 s later (a slow round trip)."""
+
+    def claim(self, namespace: str, key: str, **options: Any) -> Snapshot:
+        snap = super().claim(namespace, key, **options)
+        time.sleep(0.3)
+        return snap
+
+
+def test_a_claim_cancelled_twice_is_given_back() -> None:
+    """A second cancellation while a cancelled claim finishes must not leave it CLAIMED."""
+    store = SlowClaim()
+    ledger = twiceshy.Ledger(
+        store=store, async_store=ThreadedAsyncStore(store), counts_interval=None
+    )
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, wait=0.05)
+    async def send(to: str) -> str:
+        runs.append(1)
+        return "sent"
+
+    async def main() -> str:
+        with twiceshy.run("run-1"):
+            task = asyncio.create_task(send("ada"))
+            await asyncio.sleep(0.1)
+            task.cancel()  # the framework's timeout
+            await asyncio.sleep(0.05)
+            task.cancel()  # the task group around it, shutting down
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.4)  # the claim has committed in the store's thread
+            assert states(store) == [State.RELEASED]
+            return await send("ada")
+
+    assert asyncio.run(main()) == "sent"
+    assert runs == [1]
+
+
+def test_ctrl_c_as_the_work_is_about_to_start_leaves_no_heartbeat_renewing_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C between the heartbeat's start and the work: nobody renews the lease forever."""
+    import twiceshy._drivers as ledger_module
+
+    store = MemoryStore()
+    ledger = twiceshy.Ledger(store=store, counts_interval=None)
+
+    @ledger.tool(effect=twiceshy.UNSAFE, lease=0.3, wait=0.05)
+    def send(to: str) -> str:
+        return "sent"
+
+    real = ledger_module.set_call
+
+    def interrupted(call: Any) -> Any:
+        monkeypatch.setattr(ledger_module, "set_call", real)
+        raise KeyboardInterrupt  # where a signal may land: the lease is renewed from here on
+
+    monkeypatch.setattr(ledger_module, "set_call", interrupted)
+    with twiceshy.run("run-1"):
+        with pytest.raises(KeyboardInterrupt):
+            send("ada")
+        assert states(store) == [State.RELEASED]  # the work never started: given back
+        time.sleep(1.0)  # three leases
+        assert send("ada") == "sent"  # not InProgress for the process's life
+
+
+class SlowOps(MemoryStore):
+    """Every claim and write commits, then answers 20 ms later."""
+
+    def claim(self, namespace: str, key: str, **options: Any) -> Snapshot:
+        snap = super().claim(namespace, key, **options)
+        time.sleep(0.02)
+        return snap
+
+    def write(self, namespace: str, key: str, change: Change) -> Snapshot:
+        snap = super().write(namespace, key, change)
+        time.sleep(0.02)
+        return snap
+
+
+def _cancelled_once(effect: twiceshy.Effect, delay: float) -> tuple[list[State], int]:
+    """One call cancelled after ``delay``: the states left, and how often the tool ran."""
+    store = SlowOps()
+    ledger = twiceshy.Ledger(
+        store=store, async_store=ThreadedAsyncStore(store), counts_interval=None
+    )
+    runs: list[int] = []
+    attempts = 1 if effect is twiceshy.UNSAFE else 3
+
+    @ledger.tool(effect=effect, attempts=attempts, backoff=lambda n: 0.01, wait=0.05)
+    async def tool(x: int) -> str:
+        runs.append(x)
+        await asyncio.sleep(0.01)
+        if effect is twiceshy.KEYED and len(runs) < 3:
+            raise TimeoutError("read timed out")
+        return "done"
+
+    async def main() -> list[State]:
+        with twiceshy.run("run-1"):
+            task = asyncio.create_task(tool(1))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await task
+            await asyncio.sleep(0.05)
+            found = states(store)
+            if effect is twiceshy.UNSAFE:
+                with contextlib.suppress(twiceshy.OutcomeUnknown):
+                    await tool(1)
+            return found
+
+    return asyncio.run(main()), len(runs)
+
+
+@pytest.mark.parametrize("effect", [twiceshy.UNSAFE, twiceshy.KEYED])
+def test_one_cancellation_at_any_moment_leaves_no_claim_unrenewed(effect: twiceshy.Effect) -> None:
+    """Cancelled at 3 ms steps through claims, runs, backoffs and writes: never left CLAIMED,
+    and an UNSAFE tool never runs a second time."""
+    for step in range(30):
+        found, runs = _cancelled_once(effect, step * 0.003)
+        assert State.CLAIMED not in found, (step, found)
+        if effect is twiceshy.UNSAFE:
+            assert runs <= 1, step

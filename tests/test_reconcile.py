@@ -1,4 +1,5 @@
-"""``twiceshy reconcile`` and ``twiceshy.reconcilers.stripe_like``.
+"""``twiceshy reconcile``, ``twiceshy.reconcilers.stripe_like``, and what a reconciler's answer
+means for the calls that come after it (it happened: never run again).
 
 Records are left UNKNOWN by real UNSAFE calls whose provider (a double, ``tests/reconcile_tools``)
 times out after creating the object, or before; the command imports the tools as the user names
@@ -25,6 +26,7 @@ from click.testing import CliRunner, Result
 import servers
 import twiceshy
 from reconcile_tools import PROVIDER_ENV, Provider, make_tools
+from twiceshy import State
 from twiceshy.cli import main
 from twiceshy.reconcilers import stripe_like
 from twiceshy.stores import open_store
@@ -413,3 +415,55 @@ def test_stripe_like_async_lookup_that_raises_cannot_tell(
         answer = asyncio.run(stripe_like(find, absent_means_not_applied=True)("k", None))
     assert answer is None
     assert "looking up key k" in caplog.text
+
+
+# -- a reconciler's answer, for the calls that come after it ------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_an_unsafe_intent_reconciled_as_happened_with_no_retention_never_reruns(
+    kind: str, tmp_path: Path
+) -> None:
+    """A reconciler said the UNSAFE intent happened: the same call must not run it again."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}" if kind == "sqlite" else "memory://"
+    ledger = twiceshy.Ledger(url, counts_interval=None)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, ttl=0, reconcile=lambda k, a: twiceshy.Happened("sent"))
+    def send(to: str) -> str:
+        runs.append(1)
+        if len(runs) == 1:
+            raise TimeoutError("the provider did not answer")
+        return "sent a second time"
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            send("ada")
+        assert send("ada") == "sent"  # the reconciler's answer
+    assert runs == [1]
+    ledger.close()
+
+
+def test_a_reconciler_whose_result_cannot_be_stored_records_it_happened() -> None:
+    """It says the call happened, with a result that has no JSON form: recorded as done, and
+    every later call is told that it ran (never that the outcome is unknown, never a rerun)."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    runs: list[int] = []
+
+    def reconcile(key: str, arguments: Any) -> twiceshy.Happened:
+        return twiceshy.Happened({"took": object()})
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=reconcile)
+    def charge(amount: int) -> dict[str, int]:
+        runs.append(amount)
+        raise TimeoutError("the gateway did not answer")
+
+    with twiceshy.run("run-1"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            charge(4900)
+        for _ in range(2):
+            with pytest.raises(twiceshy.ResultNotStorable, match="already ran"):
+                charge(4900)
+    (record,) = ledger.store.records("")
+    assert record.state is State.SUCCEEDED
+    assert runs == [4900]

@@ -1,5 +1,6 @@
 """Remembered outcomes: ``Ledger(remember=N)`` answers a process's retries of settled outcomes
-without a round trip, and never where the store would answer otherwise."""
+without a round trip, and never where the store would answer otherwise: not for a doubt a
+reconciler settles later, not for other arguments under the same key."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from twiceshy import Change, Effect, Outcome, State
 from twiceshy._memo import Remembered
 from twiceshy._protocol import CallPlan
 from twiceshy.stores import Store
+from twiceshy.stores.memory import MemoryStore
 from twiceshy.stores.sqlite import SQLiteStore
 
 
@@ -297,3 +299,58 @@ def test_a_bad_remember_is_refused_before_the_store_opens(
     with pytest.raises(error, match="remember="):
         twiceshy.Ledger(f"sqlite:///{path}", remember=value)
     assert not path.exists()
+
+
+# -- what is never remembered, and what a remembered outcome refuses --------------------------
+
+
+def test_remember_never_answers_a_doubt_later_settled_by_a_reconciler() -> None:
+    """remember= keeps only settled records: a parked intent reconciled later is answered right."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None, remember=8)
+    runs: list[int] = []
+
+    @ledger.tool(effect=twiceshy.UNSAFE, reconcile=lambda key, args: None)
+    def send(to: str) -> str:
+        runs.append(1)
+        raise TimeoutError("the provider did not answer")
+
+    settler = ledger.guard(
+        "send", effect=twiceshy.UNSAFE, reconcile=lambda key, args: twiceshy.Happened("ok")
+    )
+    with twiceshy.run("run-1"):
+        for _ in range(2):
+            with pytest.raises(twiceshy.OutcomeUnknown):
+                send("ada")
+        key = twiceshy.idempotency_key("run-1", "send", {"to": "ada"})
+        record = settler.settle(key)
+        assert record is not None
+        assert record.state is State.SUCCEEDED
+        assert send("ada") == "ok"
+        assert send("ada") == "ok"
+    assert runs == [1]
+
+
+def test_remember_replays_a_mismatched_explicit_key_as_a_refusal() -> None:
+    """A remembered outcome under an explicit key refuses other arguments, per namespace."""
+    store = MemoryStore()
+    a = twiceshy.Ledger(store=store, namespace="a", remember=8, counts_interval=None)
+    b = twiceshy.Ledger(store=store, namespace="b", remember=8, counts_interval=None)
+    runs: list[tuple[str, int]] = []
+
+    @a.tool(effect=twiceshy.UNSAFE, name="send", key_args=["to"])
+    def send_a(to: str, n: int) -> int:
+        runs.append(("a", n))
+        return n
+
+    @b.tool(effect=twiceshy.UNSAFE, name="send", key_args=["to"])
+    def send_b(to: str, n: int) -> int:
+        runs.append(("b", n))
+        return n
+
+    with twiceshy.run("r"):
+        assert send_a("x", 1) == 1
+        assert send_a("x", 1) == 1  # from memory
+        with pytest.raises(twiceshy.KeyReuseMismatch):
+            send_a("x", 2)
+        assert send_b("x", 3) == 3  # another tenant: its own record
+    assert runs == [("a", 1), ("b", 3)]

@@ -1,23 +1,28 @@
 """The store contract: what every ledger store promises, tested through the Store protocol only.
 
-Every test runs against each store of the ``store`` fixture (``tests/conftest.py``). Guarded
-writes are checked against the reference semantics of ``twiceshy._records`` (``guard_holds``,
-``apply_change``, ``new_claim``, ``is_live``).
+Every test runs against each store kind, blocking and then its async twin (the
+``store_or_twin`` fixture, ``tests/conftest.py``; an async store is awaited through
+``tests/awaited_store.py``). Guarded writes are checked against the reference semantics of
+``twiceshy._records`` (``guard_holds``, ``apply_change``, ``new_claim``, ``is_live``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import servers
 from twiceshy._records import (
     Change,
     Effect,
@@ -29,7 +34,7 @@ from twiceshy._records import (
     is_live,
     new_claim,
 )
-from twiceshy.stores import CallCounts, Store
+from twiceshy.stores import CallCounts, Store, open_store
 
 if TYPE_CHECKING:
     from conftest import FakeClock
@@ -40,6 +45,12 @@ LEASE = 30.0
 CLAIMED = frozenset({State.CLAIMED})
 UNKNOWN = frozenset({State.UNKNOWN})
 RELEASED = frozenset({State.RELEASED})
+
+
+@pytest.fixture
+def store(store_or_twin: Store) -> Store:
+    """Every store kind, blocking and async: the contract is the same."""
+    return store_or_twin
 
 
 def claim(
@@ -742,3 +753,29 @@ def test_call_counts_from_many_threads_are_all_kept(store: Store) -> None:
     for t in threads:
         t.join(30)
     assert store.counts(NS) == {("charge", "replayed"): 40}
+
+
+# -- the stores under test ------------------------------------------------------------------
+
+
+def test_the_stores_under_test_are_those_open_store_opens(
+    store_or_twin: Store, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Each store and async twin this suite tests is of the class ``open_store`` answers."""
+    name, twin = request.node.callspec.params["store_or_twin"]
+    where = f"twiceshy_test_{secrets.token_hex(6)}"
+    url = {
+        "memory": "memory://",
+        "sqlite": f"sqlite:///{tmp_path / 'opened.db'}",
+        "postgres": f"{servers.POSTGRES_URL}?schema={where}",
+        "redis": f"{servers.REDIS_URL}?prefix={where}",
+    }[name]
+    opened, async_opened = open_store(url)
+    try:
+        tested = store_or_twin.twin if twin else store_or_twin
+        assert type(tested) is type(async_opened if twin else opened)
+    finally:
+        asyncio.run(async_opened.close())
+        opened.close()
+        if name == "postgres":
+            servers.drop_schema(servers.POSTGRES_URL, where)
