@@ -23,7 +23,8 @@ import redis
 import servers
 import twiceshy
 from twiceshy._records import Change, Effect, Snapshot, State
-from twiceshy.stores.redis import AsyncRedisStore, RedisStore, _snapshot
+from twiceshy.stores.redis import WRITE_SCRIPT, AsyncRedisStore, RedisStore
+from twiceshy.stores.redis._replies import snapshot as _snapshot
 
 pytestmark = pytest.mark.redis
 
@@ -174,12 +175,13 @@ def _final_write_twice(store: RedisStore, between: Callable[[], None]) -> tuple[
     """Send one final write (ttl 0.05 s) twice with one write id, as the store does after a
     lost reply, with ``between`` run between the two attempts."""
     core = store._core
+    write = core.client.register_script(WRITE_SCRIPT)
     rec, channel = core.names(NS, "k")
     change = Change(1, CLAIMED, State.SUCCEEDED, owner="alice", result='"once"', ttl=0.05)
     write_id = secrets.token_hex(12)
-    first = _snapshot(store._write(keys=[rec], args=core.write_args(channel, change, write_id)))
+    first = _snapshot(write(keys=[rec], args=core.write_args(channel, change, write_id)))
     between()
-    second = _snapshot(store._write(keys=[rec], args=core.write_args(channel, change, write_id)))
+    second = _snapshot(write(keys=[rec], args=core.write_args(channel, change, write_id)))
     return first, second
 
 

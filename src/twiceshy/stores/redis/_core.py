@@ -1,0 +1,352 @@
+"""What a Redis store and its async twin share: settings, key layout, the checks made on opening,
+the blocking client and the subscriber.
+
+:class:`Core` names every record's hash and channel and builds every script's arguments (no
+I/O); its constructor opens the ledger (``PING``, the eviction policy, the scripts loaded) and
+fails fast when the server cannot be used safely.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Final, cast
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+
+import redis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from ..._forks import reset_in_children
+from ..._records import Change
+from ...errors import EvictionPolicyRefused, StoreError
+from .. import redacted_url
+from ._lua import SCRIPTS
+from ._replies import decoded, store_error
+from ._subscriber import PubSubConnection, Subscriber
+
+log = logging.getLogger("twiceshy")
+
+_URL_OPTIONS: Final = frozenset(
+    {"prefix", "wait_replicas", "wait_timeout", "reread_interval", "allow_eviction"}
+)
+_BOOLEANS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_SAFE_POLICY: Final = "noeviction"
+_GLOB_SPECIAL: Final = frozenset("*?[]\\")
+
+
+def _seconds(value: float | timedelta, name: str) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds >= 0:
+        raise ValueError(f"{name}= must be a non-negative number of seconds")
+    return seconds
+
+
+def _quote(text: str) -> str:
+    # Keys are hex digests: letters and digits are never quoted, and the check is much cheaper.
+    if text.isascii() and text.isalnum():
+        return text
+    return quote(text, safe="")
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in _GLOB_SPECIAL else c for c in text)
+
+
+def _opt(value: str | None) -> str:
+    """An optional text for a script: "" for none, "=" + the text otherwise."""
+    return "" if value is None else "=" + value
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else "=" + repr(float(value))
+
+
+def split_url(url: str) -> tuple[str, dict[str, Any]]:
+    """Take twiceshy's own options out of a Redis URL.
+
+    Args:
+        url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
+
+    Returns:
+        The URL redis-py is given, and the options as keyword arguments of :class:`RedisStore`.
+
+    Raises:
+        ValueError: an option has no valid value, or is repeated.
+    """
+    # Only the query is rebuilt: urlunsplit would turn "unix:///path" into "unix:/path".
+    base, _, rest = url.partition("?")
+    query, hash_sign, fragment = rest.partition("#")
+    kept: list[tuple[str, str]] = []
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in _URL_OPTIONS:
+            kept.append((name, value))
+            continue
+        if name in options:
+            raise ValueError(f"Redis ledger URL repeats {name!r}")
+        if name == "allow_eviction":
+            if value.lower() not in _BOOLEANS:
+                raise ValueError(
+                    f"Redis ledger URL option allow_eviction={value!r}: expected 1 (accept a "
+                    "server that may evict records) or 0"
+                )
+            options[name] = _BOOLEANS[value.lower()]
+            continue
+        try:
+            options[name] = int(value) if name == "wait_replicas" else value
+            if name in ("wait_timeout", "reread_interval"):
+                options[name] = float(value)
+        except ValueError:
+            raise ValueError(f"Redis ledger URL option {name}={value!r} is not a number") from None
+    kept_query = urlencode(kept, quote_via=quote)
+    plain = base + ("?" + kept_query if kept_query else "") + hash_sign + fragment
+    return plain, options
+
+
+def _eviction_policy(client: redis.Redis) -> tuple[str | None, str]:
+    """The server's ``maxmemory-policy``, or ``None`` and why it could not be read."""
+    why: list[str] = []
+    try:
+        reply = cast(Mapping[Any, Any], client.config_get("maxmemory-policy"))
+        found = {decoded(k): decoded(v) for k, v in reply.items()}
+    except ResponseError as exc:  # disabled or renamed (managed Redis), or not granted (ACL)
+        why.append(f"CONFIG GET: {exc}")
+    else:
+        if found.get("maxmemory-policy"):
+            return found["maxmemory-policy"].lower(), ""
+        why.append("CONFIG GET answered no maxmemory-policy")
+    try:
+        policy = client.info("memory").get("maxmemory_policy")
+    except ResponseError as exc:
+        why.append(f"INFO: {exc}")
+    else:
+        if policy:
+            return str(policy).lower(), ""
+        why.append("INFO memory shows no maxmemory_policy")
+    return None, "; ".join(why)
+
+
+class Core:
+    """What a store and its twin share: settings, key layout, the sync client, the subscriber."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        clock: Callable[[], float] | None,
+        socket_timeout: float | timedelta,
+        wait_replicas: int,
+        wait_timeout: float | timedelta,
+        reread_interval: float | timedelta,
+        client_name: str | None,
+        allow_eviction: bool,
+    ) -> None:
+        if set(dict(parse_qsl(urlsplit(url).query))) & _URL_OPTIONS:
+            raise ValueError(
+                f"{redacted_url(url)!r} carries twiceshy options: open it with "
+                "RedisStore.from_url() or open_redis(), or pass them as keyword arguments"
+            )
+        if "{" in prefix or "}" in prefix:
+            raise ValueError(f"a Redis ledger prefix must not contain braces: {prefix!r}")
+        if wait_replicas < 0:
+            raise ValueError("wait_replicas= must not be negative")
+        self.url = url
+        self.prefix = prefix
+        self.clock = clock
+        self.socket_timeout = _seconds(socket_timeout, "socket_timeout")
+        self.wait_replicas = wait_replicas
+        self.wait_ms = max(1, round(_seconds(wait_timeout, "wait_timeout") * 1000))
+        self.reread = _seconds(reread_interval, "reread_interval")
+        if self.reread <= 0:
+            raise ValueError("reread_interval= must be positive")
+        if wait_replicas > 0 and self.wait_ms / 1000 >= self.socket_timeout:
+            # The reply to the pipelined WAIT comes only after wait_timeout: on a socket that
+            # gives up first, every write with a lagging replica would end as a lost reply.
+            raise ValueError(
+                "wait_timeout= must be shorter than socket_timeout= when wait_replicas= is set"
+            )
+        # How long Redis keeps an outcome's hash past its expires_at: the second attempt of a
+        # write whose reply was lost comes at most one socket_timeout (the lost answer) plus one
+        # (a new connection) after the first, and must still find the write it recognises.
+        self.expiry_grace = 2 * self.socket_timeout + 1.0
+        self.client_name = client_name
+        self.allow_eviction = allow_eviction
+        self.closed = False
+        self._lock = threading.Lock()
+        self._subscriber: Subscriber | None = None
+        reset_in_children(self)
+        self.pool = redis.ConnectionPool.from_url(url, **self.connection_options(Retry))
+        self.client = redis.Redis(connection_pool=self.pool)
+        try:
+            self.client.ping()
+            self._check_eviction(*_eviction_policy(self.client))
+            for lua in SCRIPTS:
+                self.client.script_load(lua.text)
+        except EvictionPolicyRefused:
+            self.pool.disconnect()
+            raise
+        except (RedisError, OSError) as exc:
+            self.pool.disconnect()
+            raise store_error(f"open {self.safe_url}", exc) from exc
+        except TypeError as exc:
+            # redis-py hands a query parameter it does not know to its connection class, which
+            # refuses it when the first connection is made.
+            self.pool.disconnect()
+            raise ValueError(f"Redis ledger URL {self.safe_url}: {exc}") from None
+
+    def _check_eviction(self, policy: str | None, why: str) -> None:
+        """Refuse a server that may evict records, unless ``allow_eviction`` accepts it."""
+        if policy == _SAFE_POLICY:
+            return
+        consequence = (
+            "an evicted claim or outcome lets a retry run the work again, an UNSAFE tool included"
+        )
+        if policy is None:
+            risk = f"its maxmemory-policy cannot be read ({why})"
+            remedy = "Let the ledger's user read it (ACL: +info), and make sure it is noeviction"
+        else:
+            risk = f"maxmemory-policy is {policy}, which lets Redis evict the ledger's records"
+            remedy = (
+                "Set it to noeviction: CONFIG SET maxmemory-policy noeviction, and "
+                "maxmemory-policy noeviction in redis.conf to keep it across restarts (on "
+                "managed Redis, in the server's parameters)"
+            )
+        if self.allow_eviction:
+            log.warning(
+                "Redis ledger %s: %s, and allow_eviction=1 accepts it: %s.",
+                self.safe_url,
+                risk,
+                consequence,
+            )
+            return
+        raise EvictionPolicyRefused(
+            f"Redis ledger {self.safe_url}: {risk}; {consequence}. {remedy}; or add "
+            "allow_eviction=1 to the ledger URL to accept the risk."
+        )
+
+    def connection_options(self, retry: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_timeout,
+            "health_check_interval": 0,
+            # The store decides what is sent again after a lost connection: never redis-py.
+            "retry": retry(NoBackoff(), 0),
+        }
+        if not self.url.lower().startswith("unix:"):
+            options["socket_keepalive"] = True  # a TCP option: a Unix socket refuses it
+        if self.client_name is not None:
+            options["client_name"] = self.client_name
+        return options
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with its secrets shown as ``***`` (see :func:`twiceshy.stores.redacted_url`)."""
+        return redacted_url(self.url)
+
+    # -- names and arguments (no I/O) -------------------------------------------------------
+
+    def names(self, namespace: str, key: str) -> tuple[str, str]:
+        """The record's hash and its wake channel."""
+        tag = f"{self.prefix}:{{{_quote(namespace)}:{_quote(key)}}}"
+        return f"{tag}:rec", f"{tag}:wake"
+
+    def channel(self, namespace: str, key: str) -> bytes:
+        """The record's wake channel, as the subscriber matches it."""
+        try:
+            return self.names(namespace, key)[1].encode()
+        except UnicodeError as exc:
+            raise store_error("wait", exc) from exc
+
+    def counts_name(self, namespace: str) -> str:
+        """The hash of a namespace's call counts (outside every record's pattern)."""
+        return f"{self.prefix}:counts:{{{_quote(namespace)}}}"
+
+    def pattern(self, namespace: str | None) -> str:
+        """A SCAN pattern for the records of one namespace, or of every namespace."""
+        inner = "*" if namespace is None else f"{_quote(namespace)}:*"
+        return f"{_glob_escape(self.prefix)}:{{{inner}}}:rec"
+
+    def now_arg(self) -> str:
+        """A script's ``ARGV[1]``: ``""`` for the server's ``TIME``, else the caller's clock."""
+        return "" if self.clock is None else repr(float(self.clock()))
+
+    def write_args(self, channel: str, change: Change, write_id: str) -> list[str]:
+        """The ``ARGV`` of :data:`~twiceshy.stores.redis.WRITE_SCRIPT` for one change."""
+        states = "," + ",".join(sorted(s.value for s in change.from_states)) + ","
+        return [
+            self.now_arg(),
+            write_id,
+            channel,
+            str(int(change.fence)),
+            states,
+            change.to.value,
+            _opt(change.owner),
+            "1" if change.lapsed else "0",
+            _opt(change.new_owner),
+            _num(change.lease),
+            "1" if change.count_attempt else "0",
+            _opt(change.result),
+            _opt(change.error),
+            _opt(change.reason),
+            _num(change.ttl),
+            _num(self.expiry_grace) if self.clock is None else "",
+        ]
+
+    def scan_now(self, server_time: tuple[int, int] | None) -> float:
+        if server_time is None:
+            return float(cast(Callable[[], float], self.clock)())
+        seconds, micros = server_time
+        return seconds + micros / 1_000_000
+
+    def check_replicas(self, what: str, acked: object) -> None:
+        if not isinstance(acked, int) or acked < self.wait_replicas:
+            raise StoreError(
+                f"Redis ledger: the {what} took effect on the primary, but only {acked} of "
+                f"{self.wait_replicas} replicas acknowledged it within {self.wait_ms} ms; a "
+                "failover now could lose it"
+            )
+
+    # -- open or closed, and the subscriber ----------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"Redis ledger {self.safe_url} is closed")
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: a lock no parent thread holds, and no parent's subscriber.
+
+        The parent's reader thread does not exist here, and its lock may have been held at the
+        fork. Its connection is left alone, never closed from here (redis-py shuts down no
+        socket of another process); the child's first waiter starts a subscriber of its own.
+        """
+        self._lock = threading.Lock()
+        self._subscriber = None
+
+    def subscriber(self) -> Subscriber:
+        with self._lock:
+            self.check_open()
+            if self._subscriber is None:
+                pool = self.pool
+
+                def connect() -> PubSubConnection:
+                    return cast(PubSubConnection, pool.connection_class(**pool.connection_kwargs))
+
+                self._subscriber = Subscriber(connect, "twiceshy-redis-subscriber")
+            return self._subscriber
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.close(self.socket_timeout + 1.0)
+        self.client.close()
+        self.pool.disconnect()

@@ -1,0 +1,288 @@
+"""The Redis ledger's operations, each written once as a generator of the steps it needs.
+
+An operation yields a step — one command (a tuple, as ``execute_command`` takes it), a
+:class:`Batch` of commands sent in one round trip, or a :class:`Pause` on a waiter's event — and
+is sent the step's answer, or has the step's error thrown into it. It decides everything else:
+which script, what to send again after a lost reply, when a waiter reads and how long it sleeps,
+how an error is told. The blocking and async stores only carry the steps to Redis and back
+(see ``_stores.py``). The one thing an operation does itself is register a waiter with the
+subscriber, a short send on its own connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..._records import Change, Effect, Record, Snapshot, State
+from ._core import Core
+from ._lua import CLAIM, PURGE, READ, WRITE, Lua
+from ._replies import counts as read_counts
+from ._replies import readable, select, settled, snapshot, store_error
+from ._subscriber import LoopWatch, ThreadWatch
+
+T = TypeVar("T")
+
+_SCAN_COUNT: Final = 500
+
+Command: TypeAlias = tuple[Any, ...]
+"""One Redis command and its arguments: ``("EVALSHA", sha, 1, key, ...)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Commands sent in one round trip (a pipeline); answered by the list of their replies."""
+
+    commands: tuple[Command, ...]
+    transaction: bool = False  # wrapped in MULTI / EXEC
+    raise_on_error: bool = True  # else an error is answered in the list, in its command's place
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Block until ``event`` is set or ``seconds`` pass; answered by whether it is set."""
+
+    event: threading.Event | asyncio.Event
+    seconds: float
+
+
+Step: TypeAlias = Command | Batch | Pause
+Op: TypeAlias = Generator[Step, Any, T]
+
+
+def _guarded(core: Core, what: str, attempt: Callable[[], Op[T]]) -> Op[T]:
+    """Run ``attempt``; after a lost connection, once more on a fresh one.
+
+    Every command sent here is safe to send again (see "Lost replies" in
+    docs/stores/redis.md); redis-py's own retries are off. redis-py's errors become
+    :class:`~twiceshy.StoreError`.
+    """
+    core.check_open()
+    try:
+        return (yield from attempt())
+    except (RedisConnectionError, RedisTimeoutError):
+        pass  # the connection was dropped: the next command gets a new one
+    except (RedisError, UnicodeError) as exc:
+        raise store_error(what, exc) from exc
+    try:
+        return (yield from attempt())
+    except (RedisError, UnicodeError) as exc:
+        raise store_error(what, exc) from exc
+
+
+def _script(lua: Lua, key: str, args: list[str]) -> Op[Any]:
+    """One script call; a server that lost the script (a restart) is given it again."""
+    try:
+        return (yield ("EVALSHA", lua.sha, 1, key, *args))
+    except NoScriptError:
+        yield ("SCRIPT LOAD", lua.text)
+        return (yield ("EVALSHA", lua.sha, 1, key, *args))
+
+
+def _changing(core: Core, lua: Lua, key: str, args: list[str], what: str) -> Op[Any]:
+    """A script that may change the record; ``WAIT`` for replicas, in its round trip, if asked."""
+    if core.wait_replicas == 0:
+        return (yield from _script(lua, key, args))
+    commands = (("EVALSHA", lua.sha, 1, key, *args), ("WAIT", core.wait_replicas, core.wait_ms))
+    for attempt in (1, 2):
+        try:
+            reply, acked = yield Batch(commands)
+        except NoScriptError:
+            if attempt == 2:
+                raise
+            yield ("SCRIPT LOAD", lua.text)
+            continue
+        if snapshot(reply).won:
+            core.check_replicas(what, acked)
+        return reply
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _scan(pattern: str) -> Op[list[Any]]:
+    """The names ``SCAN`` finds in one pass over the keyspace."""
+    names: list[Any] = []
+    cursor = 0
+    while True:
+        cursor, found = yield ("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
+        names += found
+        if cursor == 0:
+            return names
+
+
+def _batches(names: list[Any]) -> Iterable[list[Any]]:
+    return (names[start : start + _SCAN_COUNT] for start in range(0, len(names), _SCAN_COUNT))
+
+
+# -- the Store protocol -------------------------------------------------------------------------
+
+
+def claim(
+    core: Core,
+    namespace: str,
+    key: str,
+    *,
+    fingerprint: str,
+    tool: str,
+    effect: Effect,
+    owner: str,
+    lease: float,
+) -> Op[Snapshot]:
+    """See :meth:`twiceshy.stores.Store.claim`: one ``EVALSHA`` of :data:`CLAIM_SCRIPT`."""
+
+    def attempt() -> Op[Snapshot]:
+        rec, _ = core.names(namespace, key)
+        now = core.now_arg()
+        args = [now, namespace, key, fingerprint, tool, effect.value, owner, repr(float(lease))]
+        return snapshot((yield from _changing(core, CLAIM, rec, args, "claim")))
+
+    return (yield from _guarded(core, "claim", attempt))
+
+
+def write(core: Core, namespace: str, key: str, change: Change) -> Op[Snapshot]:
+    """See :meth:`twiceshy.stores.Store.write`: one ``EVALSHA`` of :data:`WRITE_SCRIPT`."""
+    write_id = secrets.token_hex(12)  # the same on the second attempt: it recognises itself
+
+    def attempt() -> Op[Snapshot]:
+        rec, channel = core.names(namespace, key)
+        args = core.write_args(channel, change, write_id)
+        return snapshot((yield from _changing(core, WRITE, rec, args, "write")))
+
+    return (yield from _guarded(core, "write", attempt))
+
+
+def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
+    """See :meth:`twiceshy.stores.Store.get`: one ``EVALSHA`` of :data:`READ_SCRIPT`."""
+
+    def attempt() -> Op[Snapshot]:
+        rec, _ = core.names(namespace, key)
+        return snapshot((yield from _script(READ, rec, [core.now_arg()])))
+
+    return (yield from _guarded(core, "read", attempt))
+
+
+def wait(
+    core: Core,
+    namespace: str,
+    key: str,
+    fence: int,
+    timeout: float,
+    watch: ThreadWatch | LoopWatch,
+    clock: Callable[[], float],
+) -> Op[Snapshot]:
+    """See :meth:`twiceshy.stores.Store.wait`.
+
+    Subscribes to the record's wake channel, reads once subscribed, then sleeps until a
+    wake-up, the re-read interval, or the timeout (on ``clock``, the driver's monotonic clock).
+    """
+    deadline = clock() + max(timeout, 0.0)
+    if timeout <= 0:
+        return (yield from get(core, namespace, key))
+    channel = core.channel(namespace, key)
+    with core.subscriber().watching(channel, watch):
+        while True:
+            watch.woken.clear()
+            left = deadline - clock()
+            # Read only once subscribed (no lost wake-up); unsubscribed, read every interval.
+            confirmed = yield Pause(watch.confirmed, max(0.0, min(left, core.reread)))
+            snap = yield from get(core, namespace, key)
+            left = deadline - clock()
+            if settled(snap, fence) or left <= 0:
+                return snap
+            if confirmed:
+                yield Pause(watch.woken, min(left, core.reread))
+
+
+def records(
+    core: Core,
+    namespace: str,
+    *,
+    states: Iterable[State] | None = None,
+    tool: str | None = None,
+    limit: int | None = None,
+) -> Op[list[Record]]:
+    """See :meth:`twiceshy.stores.Store.records`.
+
+    A ``SCAN`` over the namespace's keys: meant for operators, its cost grows with the whole
+    keyspace of the database.
+    """
+
+    def attempt() -> Op[list[Record]]:
+        found: list[Record] = []
+        for batch in _batches((yield from _scan(core.pattern(namespace)))):
+            replies = yield Batch(tuple(("HGETALL", name) for name in batch), raise_on_error=False)
+            found += readable(batch, replies)
+        now = core.scan_now((yield ("TIME",)) if core.clock is None else None)
+        return select(found, namespace, now, states, tool, limit)
+
+    return (yield from _guarded(core, "records", attempt))
+
+
+def purge_expired(core: Core, namespace: str | None = None) -> Op[int]:
+    """See :meth:`twiceshy.stores.Store.purge_expired`.
+
+    On the server's clock Redis expires outcomes itself; this finds what a caller's clock has
+    expired (and any outcome Redis has not yet reclaimed), a pipeline of
+    :data:`PURGE_SCRIPT` calls per batch of names.
+    """
+
+    def attempt() -> Op[int]:
+        count = 0
+        for batch in _batches((yield from _scan(core.pattern(namespace)))):
+            count += yield from _purge_batch(core, batch)
+        return count
+
+    return (yield from _guarded(core, "purge", attempt))
+
+
+def _purge_batch(core: Core, names: list[Any]) -> Op[int]:
+    for attempt in (1, 2):
+        commands = tuple(("EVALSHA", PURGE.sha, 1, name, core.now_arg()) for name in names)
+        try:
+            answers = yield Batch(commands)
+        except NoScriptError:
+            if attempt == 2:
+                raise
+            yield ("SCRIPT LOAD", PURGE.text)
+            continue
+        return sum(int(n) for n in answers)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# -- the CallCounts protocol --------------------------------------------------------------------
+
+
+def add_counts(core: Core, namespace: str, counts: Mapping[tuple[str, str], int]) -> Op[None]:
+    """See :meth:`twiceshy.stores.CallCounts.add_counts`: ``HINCRBY``s in one ``MULTI``.
+
+    Not sent again after a lost connection (it may have been applied): the error is raised,
+    and whether to send these counts again is the caller's choice.
+    """
+    core.check_open()
+    if not counts:
+        return
+    name = core.counts_name(namespace)
+    commands = tuple(
+        ("HINCRBY", name, json.dumps([tool, outcome]), n) for (tool, outcome), n in counts.items()
+    )
+    try:
+        yield Batch(commands, transaction=True)
+    except (RedisError, UnicodeError) as exc:
+        raise store_error("count", exc) from exc
+
+
+def counts(core: Core, namespace: str) -> Op[dict[tuple[str, str], int]]:
+    """See :meth:`twiceshy.stores.CallCounts.counts`."""
+
+    def attempt() -> Op[dict[tuple[str, str], int]]:
+        return read_counts((yield ("HGETALL", core.counts_name(namespace))))
+
+    return (yield from _guarded(core, "counts", attempt))

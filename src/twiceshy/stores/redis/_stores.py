@@ -1,0 +1,394 @@
+"""The Redis stores, blocking and async, and :func:`open_redis`: thin loops around the operations.
+
+Each method of :class:`RedisStore` and :class:`AsyncRedisStore` is an operation of ``_ops.py``
+carried out by a loop that sends its steps to Redis — through redis-py's blocking client, or
+the ``redis.asyncio`` client of the running event loop — and hands back each answer, or throws
+in each error. Nothing else differs between the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, cast
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+
+from ..._forks import reset_in_children
+from ..._records import Snapshot
+from . import _ops
+from ._core import Core, split_url
+from ._ops import Batch, Op, Step
+from ._subscriber import LoopWatch, ThreadWatch
+
+P = ParamSpec("P")
+T = TypeVar("T")
+_Outcome = tuple[Any, BaseException | None]
+
+
+def _signed(method: Callable[..., Any], op: Callable[..., Any], owner: str) -> None:
+    """Give ``method`` the name, documentation and signature of ``op``, less its core."""
+    signature = inspect.signature(op)
+    returns = signature.return_annotation
+    if isinstance(returns, str):  # the annotations are text: "Op[Snapshot]" answers a Snapshot
+        returns = returns.removeprefix("Op[").removesuffix("]")
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[this, *list(signature.parameters.values())[1:]], return_annotation=returns
+    )
+    method.__name__ = op.__name__
+    method.__qualname__ = f"{owner}.{op.__name__}"
+    method.__doc__ = op.__doc__
+
+
+@dataclass(slots=True)
+class _Done(Generic[T]):
+    """An operation's result: it has no step left."""
+
+    value: T
+
+
+def _resume(op: Op[T], outcome: _Outcome | None) -> Step | _Done[T]:
+    """``op``'s next step, given the last step's answer or error (``None`` to start it)."""
+    try:
+        if outcome is None:
+            return next(op)
+        answer, error = outcome
+        return op.send(answer) if error is None else op.throw(error)
+    except StopIteration as done:
+        return _Done(done.value)
+
+
+# -- the blocking loop ----------------------------------------------------------------------------
+
+
+def _blocking_step(client: redis.Redis, step: Step) -> _Outcome:
+    # redis-py leaves some execute_commands untyped (hence the ignores): they answer Any.
+    try:
+        if isinstance(step, tuple):
+            return client.execute_command(*step), None  # type: ignore[no-untyped-call]
+        if isinstance(step, Batch):
+            pipe = client.pipeline(transaction=step.transaction)
+            for command in step.commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return pipe.execute(raise_on_error=step.raise_on_error), None
+        # A blocking store's waiters are ThreadWatches: their events are threading.Events.
+        return cast(threading.Event, step.event).wait(step.seconds), None
+    except BaseException as exc:
+        return None, exc
+
+
+def _run(client: redis.Redis, op: Op[T]) -> T:
+    """Carry ``op``'s steps to Redis and their answers back, blocking; answer its result."""
+    step = _resume(op, None)
+    while not isinstance(step, _Done):
+        step = _resume(op, _blocking_step(client, step))
+    return step.value
+
+
+def _blocking(
+    op: Callable[Concatenate[Core, P], Op[T]],
+) -> Callable[Concatenate[RedisStore, P], T]:
+    """The method of :class:`RedisStore` that is ``op``, run by the blocking loop."""
+
+    def method(self: RedisStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return _run(self._core.client, op(self._core, *args, **kwargs))
+
+    _signed(method, op, "RedisStore")
+    return method
+
+
+# -- the async loop -------------------------------------------------------------------------------
+
+
+async def _pause(event: asyncio.Event, seconds: float) -> bool:
+    if not event.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+    return event.is_set()
+
+
+async def _async_step(client: redis.asyncio.Redis, step: Step) -> _Outcome:
+    try:
+        if isinstance(step, tuple):
+            return await client.execute_command(*step), None  # type: ignore[no-untyped-call]
+        if isinstance(step, Batch):
+            pipe = client.pipeline(transaction=step.transaction)
+            for command in step.commands:
+                pipe.execute_command(*command)
+            return await pipe.execute(raise_on_error=step.raise_on_error), None
+        # An async store's waiters are LoopWatches: their events are asyncio.Events.
+        return await _pause(cast(asyncio.Event, step.event), step.seconds), None
+    except BaseException as exc:
+        return None, exc
+
+
+async def _arun(client: redis.asyncio.Redis, op: Op[T]) -> T:
+    """Carry ``op``'s steps to Redis and their answers back, on the running event loop."""
+    step = _resume(op, None)
+    while not isinstance(step, _Done):
+        step = _resume(op, await _async_step(client, step))
+    return step.value
+
+
+def _awaiting(
+    op: Callable[Concatenate[Core, P], Op[T]],
+) -> Callable[Concatenate[AsyncRedisStore, P], Coroutine[Any, Any, T]]:
+    """The method of :class:`AsyncRedisStore` that is ``op``, run on the caller's event loop."""
+
+    async def method(self: AsyncRedisStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        client = await self._loop_client()
+        return await _arun(client, op(self._core, *args, **kwargs))
+
+    _signed(method, op, "AsyncRedisStore")
+    return method
+
+
+# -- the stores -----------------------------------------------------------------------------------
+
+
+class _Opening:
+    """How both stores are opened: the settings, checked and applied once, in a :class:`Core`."""
+
+    _core: Core
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "twiceshy",
+        clock: Callable[[], float] | None = None,
+        socket_timeout: float | timedelta = 5.0,
+        wait_replicas: int = 0,
+        wait_timeout: float | timedelta = 1.0,
+        reread_interval: float | timedelta = 1.0,
+        client_name: str | None = None,
+        allow_eviction: bool = False,
+    ) -> None:
+        core = Core(
+            url,
+            prefix=prefix,
+            clock=clock,
+            socket_timeout=socket_timeout,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
+            reread_interval=reread_interval,
+            client_name=client_name,
+            allow_eviction=allow_eviction,
+        )
+        self._open(core)
+
+    def _open(self, core: Core) -> None:
+        self._core = core
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Callable[[], float] | None = None) -> Self:
+        """Open the store a URL names, with twiceshy's options in its query.
+
+        ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval`` and
+        ``allow_eviction`` (``1`` or ``0``) are taken out of the query; the rest is redis-py's
+        (e.g. ``client_name``, ``socket_timeout``).
+
+        Raises:
+            ValueError: an option has no valid value.
+            StoreUnavailable: the server cannot be reached.
+            EvictionPolicyRefused: the server may evict records (see "Eviction").
+        """
+        redis_url, options = split_url(url)
+        return cls(redis_url, clock=clock, **options)
+
+
+class RedisStore(_Opening):
+    """A :class:`~twiceshy.stores.Store` on a Redis server (redis-py, blocking).
+
+    Thread-safe: one store serves every thread of a process (a pool of connections).
+
+    Args:
+        url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path.sock`` (redis-py's
+            query options allowed; twiceshy's own go through :meth:`from_url`).
+        prefix: the first part of every key; it must not contain braces.
+        clock: the store's clock (seconds since the epoch); ``None`` uses the server's ``TIME``.
+        socket_timeout: how long to wait to connect, and for any answer.
+        wait_replicas: after each claim and write that took effect, wait until this many
+            replicas acknowledged it (``WAIT``), else raise :class:`~twiceshy.StoreError`.
+        wait_timeout: how long ``WAIT`` may take; shorter than ``socket_timeout`` when
+            ``wait_replicas`` is set.
+        reread_interval: how often a waiter re-reads the record when no wake-up arrives.
+        client_name: the name of every connection (``CLIENT SETNAME``), for operators.
+        allow_eviction: open even where the server's ``maxmemory-policy`` may evict records
+            (or cannot be read), logging a WARNING: an evicted claim or outcome lets a retry
+            run the work again (see "Eviction" in docs/stores/redis.md).
+
+    Raises:
+        StoreUnavailable: the server does not answer ``PING`` within ``socket_timeout``.
+        EvictionPolicyRefused: the server may evict records, and ``allow_eviction`` is not set.
+        StoreError: the server answers, but refuses (authentication, scripts disabled...).
+        ValueError: a setting is out of range, or the URL carries twiceshy options.
+    """
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._core.safe_url!r}, prefix={self._core.prefix!r})"
+
+    @property
+    def prefix(self) -> str:
+        """The first part of every key of this store."""
+        return self._core.prefix
+
+    def key_names(self, namespace: str, key: str) -> tuple[str, str]:
+        """The Redis names of a record: its hash and its wake-up channel."""
+        return self._core.names(namespace, key)
+
+    claim = _blocking(_ops.claim)
+    write = _blocking(_ops.write)
+    get = _blocking(_ops.get)
+    records = _blocking(_ops.records)
+    purge_expired = _blocking(_ops.purge_expired)
+    add_counts = _blocking(_ops.add_counts)
+    counts = _blocking(_ops.counts)
+
+    def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """See :meth:`twiceshy.stores.Store.wait`: woken by the record's channel, re-reading
+        every ``reread_interval`` meanwhile."""
+        op = _ops.wait(self._core, namespace, key, fence, timeout, ThreadWatch(), time.monotonic)
+        return _run(self._core.client, op)
+
+    def close(self) -> None:
+        """Stop the subscriber and close every connection (idempotent).
+
+        An :class:`AsyncRedisStore` opened with it by :func:`open_redis` closes with it.
+        """
+        self._core.close()
+
+
+class _LoopClient:
+    """The ``redis.asyncio`` client of one event loop, closed when that loop shuts down."""
+
+    __slots__ = ("client", "guard")
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        self.guard: AsyncGenerator[None, None] | None = None
+
+
+async def _close_with_loop(client: redis.asyncio.Redis) -> AsyncGenerator[None, None]:
+    """An async generator whose end closes ``client``.
+
+    Event loops close the async generators started on them when they shut down
+    (``asyncio.run`` does), so a client left open by its user is closed on its own loop, where
+    its connections live, instead of leaking them when the loop goes away.
+    """
+    try:
+        yield
+    finally:
+        await client.aclose()
+
+
+class AsyncRedisStore(_Opening):
+    """An :class:`~twiceshy.stores.AsyncStore` on a Redis server (``redis.asyncio``).
+
+    The arguments are those of :class:`RedisStore`; the constructor blocks (at most
+    ``socket_timeout``) to check that the server answers. Each event loop gets its own
+    connection pool, closed when that loop shuts down (``asyncio.run`` does this) or by
+    :meth:`close`. Waiters share one subscriber thread with the store's other waiters.
+
+    Raises:
+        StoreUnavailable: the server does not answer ``PING`` within ``socket_timeout``.
+        EvictionPolicyRefused: the server may evict records, and ``allow_eviction`` is not set.
+        ValueError: a setting is out of range.
+    """
+
+    def _open(self, core: Core, *, owns_core: bool = True) -> None:
+        self._core = core
+        self._owns_core = owns_core
+        self._clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
+        self._clients_lock = threading.Lock()
+        self._inherited: list[_LoopClient] = []
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: a lock no parent thread holds, and none of the parent's clients.
+
+        redis.asyncio does not tell processes apart, so a child on a loop of its parent's would
+        share the parent's sockets. They are kept, unused and never closed: closing them from
+        here (their loop's async generators would, once collected) could end the parent's
+        sessions (a TLS close).
+        """
+        self._clients_lock = threading.Lock()
+        self._inherited += self._clients.values()
+        self._clients = {}
+
+    @classmethod
+    def twin(cls, store: RedisStore) -> AsyncRedisStore:
+        """An async store sharing ``store``'s settings and subscriber; closed with it."""
+        twin = cls.__new__(cls)
+        twin._open(store._core, owns_core=False)
+        return twin
+
+    def __repr__(self) -> str:
+        return f"AsyncRedisStore({self._core.safe_url!r}, prefix={self._core.prefix!r})"
+
+    async def _loop_client(self) -> redis.asyncio.Redis:
+        self._core.check_open()
+        loop = asyncio.get_running_loop()
+        with self._clients_lock:
+            entry = self._clients.get(loop)
+            if entry is not None:
+                return entry.client
+            for old in [lp for lp in self._clients if lp.is_closed()]:
+                del self._clients[old]
+            core = self._core
+            pool = redis.asyncio.ConnectionPool.from_url(
+                core.url, **core.connection_options(AsyncRetry)
+            )
+            entry = self._clients[loop] = _LoopClient(redis.asyncio.Redis.from_pool(pool))
+        guard = _close_with_loop(entry.client)
+        await anext(guard)
+        entry.guard = guard
+        return entry.client
+
+    claim = _awaiting(_ops.claim)
+    write = _awaiting(_ops.write)
+    get = _awaiting(_ops.get)
+    records = _awaiting(_ops.records)
+    purge_expired = _awaiting(_ops.purge_expired)
+
+    async def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
+        """See :meth:`RedisStore.wait`."""
+        loop = asyncio.get_running_loop()
+        op = _ops.wait(self._core, namespace, key, fence, timeout, LoopWatch(loop), loop.time)
+        return await _arun(await self._loop_client(), op)
+
+    async def close(self) -> None:
+        """Close this loop's connections; a store opened on its own also stops its subscriber.
+
+        Pools of other event loops close when their loops shut down.
+        """
+        loop = asyncio.get_running_loop()
+        with self._clients_lock:
+            entry = self._clients.pop(loop, None)
+        if entry is not None and entry.guard is not None:
+            await entry.guard.aclose()
+        if self._owns_core:
+            await asyncio.to_thread(self._core.close)
+
+
+def open_redis(url: str) -> tuple[RedisStore, AsyncRedisStore]:
+    """Open the blocking and async stores a ``redis://`` URL names, sharing one subscriber.
+
+    Closing the blocking store closes the pair.
+
+    Raises:
+        ValueError: a twiceshy option in the URL has no valid value.
+        StoreUnavailable: the server does not answer.
+        EvictionPolicyRefused: the server may evict records, and the URL does not accept it.
+    """
+    store = RedisStore.from_url(url)
+    return store, AsyncRedisStore.twin(store)
