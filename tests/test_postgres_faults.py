@@ -21,13 +21,8 @@ import pytest
 
 from twiceshy import Change, Effect, State
 from twiceshy.errors import StoreError, StoreUnavailable
-from twiceshy.stores.postgres import (
-    AsyncPostgresStore,
-    PostgresStore,
-    _ConnectionLost,
-    _write_op,
-    open_postgres,
-)
+from twiceshy.stores.postgres import AsyncPostgresStore, PostgresStore, open_postgres
+from twiceshy.stores.postgres._ops import ConnectionLost, write_op
 
 pytestmark = pytest.mark.postgres
 
@@ -311,12 +306,12 @@ def test_lost_write_recognised_even_after_its_record_expired(pg: tuple[str, str]
     try:
         assert claim(store).won
         change = Change(1, CLAIMED, State.SUCCEEDED, owner="o", result='"ok"', ttl=0.5)
-        op = _write_op(store._st, store._now, NS, KEY, change)
+        op = write_op(store._st, store._now, NS, KEY, change)
         with psycopg.connect(url, autocommit=True) as conn:
             step = next(op)
             conn.execute(step.query, step.params)  # committed; its answer never arrives
             now[0] += 1.0  # past the retention before the retry
-            step = op.throw(_ConnectionLost("cut"))
+            step = op.throw(ConnectionLost("cut"))
             rows = conn.execute(step.query, step.params).fetchall()
         with pytest.raises(StopIteration) as stop:
             op.send(rows)
@@ -326,10 +321,10 @@ def test_lost_write_recognised_even_after_its_record_expired(pg: tuple[str, str]
         assert (snap.record.state, snap.record.result) == (State.SUCCEEDED, '"ok"')
         # Another outcome is not mistaken for this one after a lost connection.
         other = Change(1, CLAIMED, State.SUCCEEDED, owner="o", result='"other"', ttl=0.5)
-        op = _write_op(store._st, store._now, NS, KEY, other)
+        op = write_op(store._st, store._now, NS, KEY, other)
         with psycopg.connect(url, autocommit=True) as conn:
             next(op)
-            step = op.throw(_ConnectionLost("cut"))
+            step = op.throw(ConnectionLost("cut"))
             rows = conn.execute(step.query, step.params).fetchall()
         with pytest.raises(StopIteration) as stop:
             op.send(rows)

@@ -27,14 +27,9 @@ import twiceshy
 from twiceshy import Change, Effect, State
 from twiceshy.errors import LedgerNotFound, StoreError, StoreUnavailable
 from twiceshy.stores import open_store
-from twiceshy.stores.postgres import (
-    AsyncPostgresStore,
-    PostgresStore,
-    _ConnectionLost,
-    _Statements,
-    _write_op,
-    open_postgres,
-)
+from twiceshy.stores.postgres import AsyncPostgresStore, PostgresStore, open_postgres
+from twiceshy.stores.postgres._ops import ConnectionLost, write_op
+from twiceshy.stores.postgres._sql import Statements
 
 pytestmark = pytest.mark.postgres
 
@@ -242,7 +237,7 @@ def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str])
     """A claim planned while the table was empty still finds records by key once it has grown."""
     url, schema = pg
     PostgresStore(url, schema=schema).close()
-    st = _Statements.build(schema, "records")
+    st = Statements.build(schema, "records")
     with psycopg.connect(url, autocommit=True, prepare_threshold=0) as conn:
         # The plan is made on the empty table and kept, as a pooled connection keeps it.
         conn.execute("SET plan_cache_mode = force_generic_plan")
@@ -646,11 +641,11 @@ def test_write_committed_but_answer_lost_is_recognised(pg: tuple[str, str]) -> N
         record = claim(store, "alice").record
         assert record is not None
         change = Change(1, CLAIMED, State.SUCCEEDED, owner="alice", result='"ok"', ttl=60)
-        op = _write_op(store._st, store._now, NS, KEY, change)
+        op = write_op(store._st, store._now, NS, KEY, change)
         with psycopg.connect(url, autocommit=True) as conn:
             step = next(op)
             conn.execute(step.query, step.params)  # committed; its answer never arrives
-            step = op.throw(_ConnectionLost("cut"))
+            step = op.throw(ConnectionLost("cut"))
             rows = conn.execute(step.query, step.params).fetchall()
         with pytest.raises(StopIteration) as stop:
             op.send(rows)
