@@ -15,7 +15,6 @@ error where nobody can know it.
 """
 
 import logging as _logging
-from importlib import metadata as _metadata
 
 from ._canonical import canonical_json, idempotency_key
 from ._guard import Guard
@@ -51,11 +50,21 @@ KEYED = Effect.KEYED
 UNSAFE = Effect.UNSAFE
 """Never retry blindly: one attempt, then an honest error."""
 
-try:
-    __version__ = _metadata.version("twiceshy")
-except _metadata.PackageNotFoundError:  # run from a source tree that is not installed
-    __version__ = "0+unknown"
-"""The installed package's version, from its metadata (pyproject.toml is its one source)."""
+
+def __getattr__(name: str) -> str:
+    # The installed package's version, from its metadata (pyproject.toml is its one source),
+    # read when first asked for: reading the metadata costs milliseconds at every import.
+    if name != "__version__":
+        raise AttributeError(f"module 'twiceshy' has no attribute {name!r}")
+    from importlib import metadata as _metadata  # itself tens of milliseconds to import
+
+    try:
+        version = _metadata.version("twiceshy")
+    except _metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        version = "0+unknown"
+    globals()["__version__"] = version
+    return version
+
 
 # A library leaves handlers to the application: without one, Python's last-resort handler would
 # print twiceshy's warnings to stderr.
