@@ -23,7 +23,7 @@ ledger commands never create a ledger: they open the store with ``create=False``
 The modules: ``group`` (the command group), ``options`` (the shared options), one per command
 family (``listing``: ls and show; ``resolving``, ``gc``, ``stats``, ``reconcile``, ``demo``, with
 ``double_charge`` the story it re-enacts), and what they share: ``ledger`` (opening the store,
-finding a record), ``render`` (the terminal), ``redaction`` (secrets), ``json_forms`` (``--json``)
+finding a record), ``render`` (the terminal), ``json_forms`` (``--json``)
 and ``exits`` (exit codes and errors).
 """
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import click
 
+from .._redaction import redacted, scrubbed
 from ..errors import StoreError
 from .exits import LedgerUnavailable
 from .ledger import open_ledger_store
-from .redaction import redacted, scrubbed
 from .render import PipedConsole
 
 __all__ = ["demo"]

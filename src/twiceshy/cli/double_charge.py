@@ -39,7 +39,7 @@ from rich.text import Text
 
 import twiceshy
 
-from .redaction import redacted
+from .._redaction import redacted
 
 __all__ = ["Act", "Call", "DemoResult", "print_report", "run_demo"]
 

@@ -11,7 +11,7 @@ from typing import Final
 
 import click
 
-from .redaction import hide_secrets
+from .._redaction import hide_secrets
 from .render import printable
 
 __all__ = [
@@ -39,7 +39,7 @@ class CommandError(click.ClickException):
 
     Args:
         message: what went wrong; newlines and runs of spaces are folded into one line, the
-            secrets of any URL in it hidden (:func:`~twiceshy.cli.redaction.hide_secrets`),
+            secrets of any URL in it hidden (:func:`~twiceshy._redaction.hide_secrets`),
             control characters escaped (:func:`~twiceshy.cli.render.printable`).
     """
 

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from urllib.parse import unquote, urlsplit
 
 from .._records import Record
+from .._redaction import redacted, scrubbed
 from ..errors import LedgerNotFound, StoreError
 from ..stores import Store, default_url, open_store
 from .exits import BadUsage, CommandError, LedgerUnavailable
-from .redaction import redacted, scrubbed
 from .render import short_width
 
 __all__ = ["find_record", "lease_lapsed", "open_ledger_store", "opened", "store_now"]

@@ -23,10 +23,10 @@ from rich.table import Table
 import twiceshy
 
 from .._records import Record, State
+from .._redaction import hide_secrets
 from .exits import CommandError
 from .ledger import opened
 from .options import ledger_options
-from .redaction import hide_secrets
 from .render import PipedConsole, echo, echo_json, short_width, text
 
 __all__ = ["reconcile"]

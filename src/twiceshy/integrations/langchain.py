@@ -427,13 +427,12 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             )
         return _Intent(guard, arguments, scope or None)
 
-    def _built_guard(self, name: str, effect: Effect, effect_at: str | None) -> Guard:
+    def _built_guard(self, name: str, effect: Effect, effect_at: Literal["mark"] | None) -> Guard:
         """The guard for a tool declared by its effect class alone."""
         guard = self._built.get((name, effect_at))
         if guard is None:
-            mark: Literal["mark"] | None = "mark" if effect_at == "mark" else None
-            guard = self._ledger.guard(name, effect=effect, effect_at=mark).with_stored_answers()
-            self._built[name, effect_at] = guard
+            guard = self._ledger.guard(name, effect=effect, effect_at=effect_at)
+            guard = self._built[name, effect_at] = guard.with_stored_answers()
         return guard
 
 

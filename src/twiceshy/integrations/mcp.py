@@ -223,7 +223,7 @@ class _Guards:
         effect = self._effects.get(name, implied)
         if effect is None:
             return None
-        effect_at = cast("_EffectAt", effect_at_of(fn))
+        effect_at = effect_at_of(fn)
         guard = self._made.get((name, effect, effect_at))
         if guard is None:
             guard = self._made[(name, effect, effect_at)] = self._ledger.guard(

@@ -53,7 +53,7 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 from agents import FunctionTool, ModelBehaviorError, RunContextWrapper, Tool, ToolTimeoutError
 from agents.tool import (
@@ -435,7 +435,7 @@ def _guard_for(ledger: Ledger, tool: FunctionTool, effect: Effect) -> Guard:
     except AttributeError:
         fn = None
     # A function that calls twiceshy.point_of_no_return() says where its effect starts.
-    effect_at: Literal["mark"] | None = "mark" if effect_at_of(fn) == "mark" else None
+    effect_at = effect_at_of(fn)
     try:
         return ledger.guard(
             tool.qualified_name, effect=effect, returns=_returns(fn), effect_at=effect_at

@@ -61,7 +61,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 from pydantic_ai.capabilities import (
@@ -379,7 +379,7 @@ def _guard(
     """
     # A SAFE tool's results are not kept: whatever it returns is fine.
     returns = ReturnOf(function) if function is not None and effect is not SAFE else None
-    effect_at: Literal["mark"] | None = "mark" if effect_at_of(function) == "mark" else None
+    effect_at = effect_at_of(function)
     guard = ledger.guard(
         name, effect=effect, definite=(ToolFailed,), returns=returns, effect_at=effect_at
     )

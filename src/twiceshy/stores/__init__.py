@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 from collections.abc import Iterable, Mapping
-from typing import Final, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from .._records import Change, Effect, Record, Snapshot, State
+from .._redaction import redacted
 from ..errors import LedgerNotFound
 
 __all__ = [
@@ -289,27 +289,11 @@ def _missing_extra(extra: str, exc: ImportError) -> ImportError:
     )
 
 
-_SECRET_PARAMS: Final = frozenset({"password", "passwd", "pass", "secret", "token", "auth"})
-_USERINFO: Final = re.compile(r"^(?P<head>[^:/?#]*://[^/?#@:]*:)(?P<password>[^/?#]*)@")
-
-
 def redacted_url(url: str) -> str:
-    """``url`` without secrets, for reprs, logs and errors: the password of its user part and
-    the values of query parameters such as ``password=`` become ``***``. Even a URL that does not
-    parse (a bad port) is redacted."""
-    text = _USERINFO.sub(r"\g<head>***@", url, count=1)
-    head, mark, query = text.partition("?")
-    if not mark:
-        return text
-    query, hash_mark, fragment = query.partition("#")
-    parts = []
-    for pair in query.split("&"):
-        name, equals, _ = pair.partition("=")
-        lowered = name.lower()
-        if equals and (lowered in _SECRET_PARAMS or "password" in lowered):
-            pair = f"{name}=***"
-        parts.append(pair)
-    return f"{head}?{'&'.join(parts)}{hash_mark}{fragment}"
+    """``url`` without secrets, for reprs, logs and errors: the password of its user part and the
+    values of settings named like secrets (``password=``, ``ssl_password=``, ``token=``...) become
+    ``***``, even in a URL that does not parse (a bad port)."""
+    return redacted(url)
 
 
 def default_url() -> str:

@@ -1,10 +1,10 @@
-"""The secrets the command line never prints: one place hides them for every command.
+"""The secrets twiceshy never shows: one place hides them for reprs, logs, errors and the CLI.
 
-Every line about a ledger goes through :func:`hide_secrets`: the password of any URL in it, the
-value of any setting named like a secret (``password=``, ``sslpassword=``, ``token=``...) in a
-URL's query or a connection string, and the secrets of the ledger URL the line is about wherever
-a driver quoted them. It is stronger than :func:`twiceshy.stores.redacted_url`, which redacts one
-well-formed URL: a message may quote a URL that does not parse, or a driver's own rewording.
+What shows a URL or a message about one goes through :func:`hide_secrets`: the password of any
+URL in it, the value of any setting named like a secret (``password=``, ``sslpassword=``,
+``token=``...) in a URL's query or a connection string, and the secrets of the ledger URL the
+line is about wherever a driver quoted them (a message may quote a URL that does not parse, or a
+driver's own rewording of it). :func:`twiceshy.stores.redacted_url` is :func:`redacted`.
 """
 
 from __future__ import annotations
