@@ -70,6 +70,8 @@ def decorating(
 
 
 def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable[..., Any]:
+    protection = guard.protection
+
     @functools.wraps(fn)
     def protected(*args: Any, **kwargs: Any) -> Any:
         arguments, explicit = binder.bind(args, kwargs)
@@ -79,7 +81,7 @@ def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable
             call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
             return fn(*call_args, **call_kwargs)
 
-        return execute(guard.protection, bound, work, None)
+        return execute(protection, bound, work, None)
 
     return protected
 
@@ -87,6 +89,8 @@ def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable
 def _async_tool(
     fn: Callable[..., Awaitable[Any]], guard: Guard, binder: Binder
 ) -> Callable[..., Awaitable[Any]]:
+    protection = guard.protection
+
     @functools.wraps(fn)
     async def protected(*args: Any, **kwargs: Any) -> Any:
         arguments, explicit = binder.bind(args, kwargs)
@@ -96,6 +100,6 @@ def _async_tool(
             call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
             return fn(*call_args, **call_kwargs)
 
-        return await aexecute(guard.protection, bound, work, None)
+        return await aexecute(protection, bound, work, None)
 
     return protected

@@ -10,8 +10,9 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._binding import BoundCall
+from ._call import Protection, Work
 from ._canonical import MAX_BYTES, MAX_DEPTH
-from ._drivers import Protection, Work, aexecute, execute, nested_work
+from ._drivers import aexecute, execute, nested_work
 from ._protocol import CallPlan, Policy, settle
 from ._reconciling import Reconciler, areconciled, awaited, loop_running, reconciled
 from ._records import Effect, Record, State

@@ -1,17 +1,19 @@
 """The protocol of one protected call, with no I/O (docs/design.md §3, §4, §8).
 
-Every decision twiceshy makes about a call lives here: when to claim, replay, wait, take over,
+Every decision twiceshy makes about a record lives here: when to claim, replay, wait, take over,
 reconcile or refuse, how to read a tool's exception, when to retry in place. The protocol is a
 generator that yields *commands* (claim, write, wait, run the tool, sleep, ...) and receives their
-answers; the sync and async drivers in ``_ledger.py`` only carry commands out.
+answers; :mod:`twiceshy._call` runs it inside one call's generator, and the drivers only carry
+commands out.
 
-The transitions a record may take are data, in :data:`TRANSITIONS`; every write the protocol asks
-for is built by :func:`_change`, which refuses one the table does not allow.
+What each state and effect class answers is data, in :mod:`twiceshy._rules`: :data:`FOUND` (what
+a found record answers), :data:`ENDINGS` (what an attempt's end writes) and :data:`TRANSITIONS`
+(every write a record may take); every write the protocol asks for is built by :func:`_change`,
+which refuses one the table does not allow.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import random
@@ -22,6 +24,18 @@ from typing import Any, Final, TypeAlias
 
 from ._codec import NotKept, ResultCodec, decode_error, encode_error, not_kept, type_name
 from ._records import Change, Effect, Outcome, Record, Snapshot, State
+from ._rules import (
+    ENDINGS,
+    FOUND,
+    RECONCILED_FIRST,
+    TRANSITIONS,
+    Actor,
+    Answer,
+    Ending,
+    Found,
+    Then,
+    Written,
+)
 from .errors import (
     InProgress,
     KeyReuseMismatch,
@@ -35,8 +49,6 @@ from .errors import (
 log = logging.getLogger("twiceshy")
 
 __all__ = [
-    "TRANSITIONS",
-    "Actor",
     "CallPlan",
     "Claim",
     "Command",
@@ -60,34 +72,7 @@ __all__ = [
 ]
 
 
-class Actor(enum.Enum):
-    """Who may take a transition."""
-
-    CALLER = "any caller"
-    OWNER = "the owner of the fence"
-    RECONCILER = "a reconciler"
-
-
 _C, _S, _F, _R, _U = State.CLAIMED, State.SUCCEEDED, State.FAILED, State.RELEASED, State.UNKNOWN
-
-TRANSITIONS: Final[dict[tuple[State | None, State], frozenset[Actor]]] = {
-    # (from, to): who may write it. None is "no live record". Every guard includes the fence.
-    (None, _C): frozenset({Actor.CALLER}),  # the insert wins
-    # reconciler (an operator's `twiceshy resolve --force`): only once the lease has lapsed
-    (_C, _S): frozenset({Actor.OWNER, Actor.RECONCILER}),
-    (_C, _F): frozenset({Actor.OWNER, Actor.RECONCILER}),
-    (_C, _R): frozenset({Actor.OWNER, Actor.RECONCILER}),
-    (_C, _U): frozenset({Actor.OWNER, Actor.CALLER}),  # caller: lease lapsed, UNSAFE only
-    (_C, _C): frozenset({Actor.OWNER, Actor.CALLER}),  # owner: heartbeat; caller: lapsed takeover
-    (_R, _C): frozenset({Actor.CALLER}),
-    # caller: KEYED only, the provider deduplicates by the key; owner: same fence, its claim
-    # answered so late that a lapse was marked UNKNOWN before its work started
-    (_U, _C): frozenset({Actor.CALLER, Actor.OWNER}),
-    (_U, _S): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: finishing late
-    (_U, _F): frozenset({Actor.RECONCILER, Actor.OWNER}),
-    (_U, _R): frozenset({Actor.RECONCILER, Actor.OWNER}),  # owner: its work did not apply
-}
-"""Every transition a record may take, and who may take it (docs/design.md §3)."""
 
 MAX_STEPS: Final = 100
 """A bound on the protocol's rounds that are not waits; reaching it is a store fault."""
@@ -155,9 +140,13 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """Apply a guarded write (answer: a :class:`Snapshot`)."""
+    """Apply a guarded write (answer: a :class:`Snapshot`).
+
+    ``finish``: carried to its end even if the call is interrupted meanwhile (a claim given back).
+    """
 
     change: Change
+    finish: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +220,10 @@ class DidNotHappen:
 Command: TypeAlias = Now | Note | Claim | Write | Wait | Run | Sleep | Reconcile
 Protocol: TypeAlias = Generator[Command, Any, Any]
 
+_NOW: Final = Now()
+_CLAIM: Final = Claim()
+_NOTES: Final = {outcome: Note(outcome) for outcome in Outcome}
+
 
 def exponential_backoff(
     initial: float = 0.1, maximum: float = 2.0, *, jitter: bool = True
@@ -289,21 +282,27 @@ class CallPlan:
     owner: str
 
 
-class _Kind(enum.Enum):
-    NOT_APPLIED = "not applied"
-    DEFINITE = "definite"
-    AMBIGUOUS = "ambiguous"
-
-
-def _classify(policy: Policy, error: BaseException) -> _Kind:
+def _classify(policy: Policy, error: BaseException) -> Ending:
     """What a tool's exception says about its effect (docs/design.md §4), recorded or not."""
     if isinstance(error, NotApplied) or (
         policy.not_applied and isinstance(error, policy.not_applied)
     ):
-        return _Kind.NOT_APPLIED
+        return Ending.NOT_APPLIED
     if policy.definite and isinstance(error, policy.definite):
-        return _Kind.DEFINITE
-    return _Kind.AMBIGUOUS
+        return Ending.DEFINITE
+    return Ending.AMBIGUOUS
+
+
+def _ending(policy: Policy, error: BaseException | None, passed: bool) -> Ending:
+    """How an attempt ended: ``passed``, whether an attempt of this call passed its point of no
+    return. Nothing happened when none did (where the tool says where its effect starts): an
+    earlier attempt that did may have taken effect, whatever the last one raised."""
+    if error is None:
+        return Ending.RETURNED
+    before_effect = policy.effect_at is not None and not passed and not _went_out(policy, error)
+    if not isinstance(error, Exception):
+        return Ending.INTERRUPTED_EARLY if before_effect else Ending.INTERRUPTED
+    return Ending.NOT_APPLIED if before_effect else _classify(policy, error)
 
 
 def _replay_error(plan: CallPlan, text: str | None) -> BaseException:
@@ -424,9 +423,11 @@ def protect(
     """
     # ``sent``: when the last command that could make this call the owner was sent.
     if recalled is None:
-        sent, snap = yield from _timed(Claim())
+        sent = yield _NOW  # _timed(Claim()), written out: every call takes this step
+        snap = yield _CLAIM
     else:
         sent, snap = -math.inf, recalled  # never won: it makes nobody the owner
+    policy = plan.policy
     reconciled = False
     settled = Outcome.REPLAYED  # how an outcome found in the record is answered
     kept: _Kept | None = None  # this call's own outcome, refused by the record once
@@ -436,7 +437,7 @@ def protect(
         record = snap.record
         if record is None:
             # The record expired between two commands: claim afresh.
-            sent, snap = yield from _timed(Claim())
+            sent, snap = yield from _timed(_CLAIM)
             continue
         if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
             if kept is not None:
@@ -457,58 +458,66 @@ def protect(
                 f"the key {plan.key} already names a call of {record.tool!r} with other "
                 "arguments; this call did not run"
             )
-        state = record.state
-        if state is State.SUCCEEDED:
-            assert record.result is not None
-            yield Note(settled)
-            return _replayed(plan, record.result)
-        if state is State.FAILED:
-            yield Note(settled)
-            raise _replay_error(plan, record.error)
-        if state is State.RELEASED:
-            sent, snap = yield from _take(plan, record)
-            continue
-        if state is State.CLAIMED:
-            lapsed = record.lease_deadline is not None and record.lease_deadline <= snap.now
-            if lapsed and plan.policy.effect is Effect.UNSAFE:
-                snap = yield Write(
-                    _change(Actor.CALLER, record, _U, lapsed=True, reason=LAPSED, error=None)
-                )
-                continue
-            if lapsed:
-                sent, snap = yield from _take(plan, record, lapsed=True)
-                continue
-            now = yield Now()
-            if wait_until is None:
-                wait_until = now + plan.policy.wait
-            left = wait_until - now
-            if left <= 0:
-                raise InProgress(
-                    plan.policy.tool,
-                    plan.key,
-                    started_at=record.created_at,
-                    lapses_at=record.lease_deadline,
-                    effect=plan.policy.effect.value,
-                    resumed=record.fence > 1,
-                )
-            until_lapse = (record.lease_deadline or snap.now) - snap.now
-            settled = Outcome.WAITED
-            snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
-            rounds -= 1
-            continue
-        # UNKNOWN
-        if plan.policy.reconcile and not reconciled:
+        found = _FOUND_BY_STATE.get(record.state) or _claimed(record, snap.now)
+        if found in RECONCILED_FIRST and policy.reconcile and not reconciled:
             reconciled = True
             answer = yield Reconcile()
             settled = Outcome.RECONCILED
-            settlement = settle(plan.policy, record, answer, snap.now)
+            settlement = settle(policy, record, answer, snap.now)
             if settlement is not None:
                 snap = yield Write(settlement)
                 continue
-        if plan.policy.effect is Effect.UNSAFE:
-            raise OutcomeUnknown(plan.policy.tool, plan.key, record.reason or "")
-        sent, snap = yield from _take(plan, record)
+        action = FOUND[found, policy.effect]
+        if action is Answer.REPLAY:
+            assert record.result is not None
+            yield _NOTES[settled]
+            return _replayed(plan, record.result)
+        if action is Answer.RAISE_RECORDED:
+            yield _NOTES[settled]
+            raise _replay_error(plan, record.error)
+        if action is Answer.TAKE or action is Answer.TAKE_LAPSED:
+            sent, snap = yield from _take(plan, record, lapsed=action is Answer.TAKE_LAPSED)
+            continue
+        if action is Answer.MARK_UNKNOWN:
+            snap = yield Write(
+                _change(Actor.CALLER, record, _U, lapsed=True, reason=LAPSED, error=None)
+            )
+            continue
+        if action is Answer.REFUSE:
+            raise OutcomeUnknown(policy.tool, plan.key, record.reason or "")
+        # Answer.WAIT: its owner is running it.
+        now = yield _NOW
+        if wait_until is None:
+            wait_until = now + policy.wait
+        left = wait_until - now
+        if left <= 0:
+            raise InProgress(
+                policy.tool,
+                plan.key,
+                started_at=record.created_at,
+                lapses_at=record.lease_deadline,
+                effect=policy.effect.value,
+                resumed=record.fence > 1,
+            )
+        until_lapse = (record.lease_deadline or snap.now) - snap.now
+        settled = Outcome.WAITED
+        snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
+        rounds -= 1
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
+
+
+def _claimed(record: Record, now: float) -> Found:
+    """What a CLAIMED ``record`` says to a call that does not own it, at store time ``now``."""
+    deadline = record.lease_deadline
+    return Found.LAPSED if deadline is not None and deadline <= now else Found.RUNNING
+
+
+_FOUND_BY_STATE: Final[dict[State, Found]] = {
+    State.SUCCEEDED: Found.SUCCEEDED,
+    State.FAILED: Found.FAILED,
+    State.RELEASED: Found.RELEASED,
+    State.UNKNOWN: Found.UNKNOWN,
+}
 
 
 def _replayed(plan: CallPlan, text: str) -> Any:
@@ -576,7 +585,7 @@ def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snaps
     The lease it grants is trusted from when it was sent (monotonic), never from when the answer
     came back: an answer can arrive late.
     """
-    sent: float = yield Now()
+    sent: float = yield _NOW
     snap: Snapshot = yield command
     return sent, snap
 
@@ -605,12 +614,11 @@ def _own(
     run again (an UNSAFE tool's; any settled one), else ``None``.
     """
     policy = plan.policy
-    finish_from = frozenset({_U})  # a late owner's outcome resolves a lapse marked UNKNOWN
     attempt = 1
     passed = False  # whether an attempt of this call passed its point of no return
-    now = yield Now()
+    now = yield _NOW
     if now >= trusted_until:
-        take_back = finish_from if policy.effect is Effect.UNSAFE else frozenset()
+        take_back = _FINISH_FROM if policy.effect is Effect.UNSAFE else frozenset()
         sent, snap = yield from _timed(
             Write(
                 _change(
@@ -632,105 +640,11 @@ def _own(
         ran: Ran = yield Run(record.fence, attempt, trusted_until)
         error = ran.error
         passed = passed or ran.marked
-        # Nothing happened when no attempt reached the tool's point of no return: an earlier
-        # attempt that did may have taken effect, whatever the last one raised.
-        before_effect = policy.effect_at is not None and not passed and not _went_out(policy, error)
-        if error is not None and not isinstance(error, Exception):
-            # Interrupted while the work ran (a cancelled task, Ctrl-C): nothing is known of its
-            # effect, and nothing renews the lease any more. Say so in the record, so the next
-            # call is answered at once (KEYED: run again with the key; UNSAFE: OutcomeUnknown)
-            # rather than after the lease; then the interruption goes on, whatever the write.
-            # Before its point of no return, nothing happened: released.
-            if before_effect:
-                yield Write(
-                    _change(
-                        Actor.OWNER,
-                        record,
-                        _R,
-                        also_from=finish_from,
-                        owner=plan.owner,
-                        ttl=policy.ttl,
-                    )
-                )
-            else:
-                reason = f"interrupted by {describe(error, policy.wrappers)} before it finished"
-                yield Write(_doubt(plan, record, reason, error))
-            raise error
-        if error is None:
-            try:
-                text = policy.codec.encode(ran.value)
-            except ResultNotStorable as exc:
-                # It ran and succeeded; its result cannot be kept. Never a failure (a retry
-                # would read "try again" where the effect happened): done, with what can be kept.
-                text = not_kept(ran.value, str(exc))
-                log.warning(
-                    "twiceshy: the result of %s (key %s) cannot be kept: %s; retries are told "
-                    "that it ran",
-                    policy.tool,
-                    plan.key,
-                    exc,
-                )
-                value = ran.value
-            else:
-                value = policy.codec.decode(text) if policy.answer_stored else ran.value
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _S,
-                    also_from=finish_from,
-                    owner=plan.owner,
-                    result=text,
-                    ttl=policy.ttl,
-                )
-            )
-            if snap.won:
-                return True, value, snap, None
-            return False, None, snap, _Kept(_S, value=value, result=text)
-        kind = _Kind.NOT_APPLIED if before_effect else _classify(policy, error)
-        if kind is _Kind.NOT_APPLIED:
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _R,
-                    also_from=finish_from,
-                    owner=plan.owner,
-                    ttl=plan.policy.ttl,
-                )
-            )
-            if snap.won:
-                raise error
-            return False, None, snap, None  # nothing happened: it may run again
-        if kind is _Kind.DEFINITE:
-            text = encode_error(error, _listed(plan.policy.definite, error))
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _F,
-                    also_from=finish_from,
-                    owner=plan.owner,
-                    error=text,
-                    ttl=plan.policy.ttl,
-                )
-            )
-            if snap.won:
-                raise error
-            return False, None, snap, _Kept(_F, raised=error, error=text)
-        # Ambiguous: the work may have taken effect.
-        if plan.policy.effect is Effect.UNSAFE:
-            reason, text = describe(error, policy.wrappers), encode_error(error)
-            snap = yield Write(
-                _change(Actor.OWNER, record, _U, owner=plan.owner, reason=reason, error=text)
-            )
-            unknown = OutcomeUnknown(plan.policy.tool, plan.key, reason)
-            if snap.won:
-                raise unknown from error
-            unknown.__cause__ = error  # as raised from it, when it is raised later
-            return False, None, snap, _Kept(_U, raised=unknown, error=text, reason=reason)
-        if attempt < plan.policy.attempts:
-            interrupted = yield Sleep(plan.policy.backoff(attempt))
+        ending = Ending.RETURNED if error is None else _ending(policy, error, passed)
+        written = ENDINGS[ending, policy.effect, attempt >= policy.attempts]
+        if written.then is Then.RETRY:
+            assert error is not None
+            interrupted = yield Sleep(policy.backoff(attempt))
             if interrupted is not None:
                 # Interrupted between attempts: the last one may have taken effect.
                 reason = (
@@ -748,7 +662,7 @@ def _own(
                         record,
                         _C,
                         owner=plan.owner,
-                        lease=plan.policy.lease,
+                        lease=policy.lease,
                         count_attempt=True,
                     )
                 )
@@ -760,26 +674,91 @@ def _own(
             trusted_until = sent + LEASE_TRUST * policy.lease
             attempt += 1
             continue
-        if plan.policy.effect is Effect.KEYED:
-            # Attempts ran out: the next call runs it again with the same key.
-            _note_exhausted(error, policy.attempts)
-            snap = yield Write(
-                _change(
-                    Actor.OWNER,
-                    record,
-                    _U,
-                    owner=plan.owner,
-                    reason=describe(error, policy.wrappers),
-                    error=encode_error(error),
-                )
-            )
-        else:
-            snap = yield Write(
-                _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
-            )
+        change, value, raised = _end_of(plan, record, written, ending, ran)
+        snap = yield Write(change)
+        if written.always:
+            assert raised is not None
+            raise raised
         if snap.won:
-            raise error
-        return False, None, snap, None  # KEYED or SAFE: may run again (with the same key)
+            if raised is not None:
+                raise raised
+            return True, value, snap, None
+        if not written.kept:
+            return False, None, snap, None  # nothing settled: it may run again (same key)
+        kept = _Kept(change.to, value, raised, change.result, change.error, change.reason)
+        return False, None, snap, kept
+
+
+_FINISH_FROM: Final = frozenset({_U})
+"""Where an owner's outcome may also be written from: its own fence, that a lapse marked UNKNOWN
+(a late owner's outcome resolves the doubt)."""
+
+
+def _end_of(
+    plan: CallPlan, record: Record, written: Written, ending: Ending, ran: Ran
+) -> tuple[Change, object, BaseException | None]:
+    """The owner's write at the end of an attempt (:data:`ENDINGS`), with what the caller gets:
+    the value to return, or the exception to raise."""
+    policy, error = plan.policy, ran.error
+    to = written.to
+    late = _FINISH_FROM if written.late else frozenset()
+    if to is _S:
+        try:
+            text = policy.codec.encode(ran.value)
+        except ResultNotStorable as exc:
+            # It ran and succeeded; its result cannot be kept. Never a failure (a retry would
+            # read "try again" where the effect happened): done, with what can be kept.
+            text = not_kept(ran.value, str(exc))
+            log.warning(
+                "twiceshy: the result of %s (key %s) cannot be kept: %s; retries are told that "
+                "it ran",
+                policy.tool,
+                plan.key,
+                exc,
+            )
+            value = ran.value
+        else:
+            value = policy.codec.decode(text) if policy.answer_stored else ran.value
+        change = _change(
+            Actor.OWNER,
+            record,
+            _S,
+            also_from=late,
+            owner=plan.owner,
+            result=text,
+            ttl=policy.ttl,
+        )
+        return change, value, None
+    assert error is not None
+    if to is _R:
+        change = _change(Actor.OWNER, record, _R, also_from=late, owner=plan.owner, ttl=policy.ttl)
+        return change, None, error
+    if to is _F:
+        text = encode_error(error, _listed(policy.definite, error))
+        change = _change(
+            Actor.OWNER,
+            record,
+            _F,
+            also_from=late,
+            owner=plan.owner,
+            error=text,
+            ttl=policy.ttl,
+        )
+        return change, None, error
+    # UNKNOWN: the work may have taken effect.
+    if ending is Ending.INTERRUPTED:
+        # Nothing is known of its effect, and nothing renews the lease any more.
+        reason = f"interrupted by {describe(error, policy.wrappers)} before it finished"
+    else:
+        reason = describe(error, policy.wrappers)
+    change = _doubt(plan, record, reason, error)
+    if written.then is Then.RAISE_UNKNOWN:
+        unknown = OutcomeUnknown(policy.tool, plan.key, reason)
+        unknown.__cause__ = error  # as raised from it
+        return change, None, unknown
+    if policy.effect is Effect.KEYED and ending is Ending.AMBIGUOUS:
+        _note_exhausted(error, policy.attempts)  # the next call runs it again with the key
+    return change, None, error
 
 
 EXHAUSTED: Final = "twiceshy: no attempt of this KEYED tool finished"
@@ -833,7 +812,7 @@ def retry_only(policy: Policy) -> Protocol:
         if ran.error is None:
             return ran.value
         error = ran.error
-        if _classify(policy, error) is not _Kind.AMBIGUOUS or attempt >= policy.attempts:
+        if _classify(policy, error) is not Ending.AMBIGUOUS or attempt >= policy.attempts:
             raise error
         interrupted = yield Sleep(policy.backoff(attempt))
         if interrupted is not None:

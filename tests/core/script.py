@@ -23,8 +23,6 @@ import pytest
 
 from twiceshy._codec import ResultCodec
 from twiceshy._protocol import (
-    TRANSITIONS,
-    Actor,
     CallPlan,
     Claim,
     Command,
@@ -53,6 +51,7 @@ from twiceshy._records import (
     is_live,
     new_claim,
 )
+from twiceshy._rules import TRANSITIONS, Actor
 
 T0: Final = 1_700_000_000.0
 """The store's clock when a script starts (seconds since the epoch)."""

@@ -11,8 +11,6 @@ from twiceshy._codec import NotKept, encode_error
 from twiceshy._protocol import (
     LAPSED,
     MAX_STEPS,
-    TRANSITIONS,
-    Actor,
     DidNotHappen,
     Happened,
     _change,
@@ -21,6 +19,7 @@ from twiceshy._protocol import (
     settle,
 )
 from twiceshy._records import Change, Effect, Record, Snapshot, State, new_claim
+from twiceshy._rules import TRANSITIONS, Actor
 from twiceshy.errors import StoreError
 
 from .script import (

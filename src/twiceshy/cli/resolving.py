@@ -14,8 +14,9 @@ from typing import Any, Final, NoReturn
 import click
 
 from .._codec import ResultCodec
-from .._protocol import LAPSED, TRANSITIONS, Actor
+from .._protocol import LAPSED
 from .._records import Change, Record, State
+from .._rules import TRANSITIONS, Actor
 from ..errors import ResultNotStorable
 from .exits import CommandError
 from .ledger import find_record, opened
