@@ -21,7 +21,15 @@ from ._guard import Guard
 from ._ledger import Ledger
 from ._protocol import DidNotHappen, Happened, exponential_backoff
 from ._records import CallEvent, Change, Effect, Outcome, Record, Snapshot, State
-from ._scope import current_key, current_scope, inherited_scope, point_of_no_return, run
+from ._scope import (
+    current_key,
+    current_scope,
+    inherited_scope,
+    last_outcome,
+    point_of_no_return,
+    run,
+    was_replayed,
+)
 from .errors import (
     EvictionPolicyRefused,
     FencedOut,
@@ -110,6 +118,8 @@ __all__ = [
     "exponential_backoff",
     "idempotency_key",
     "inherited_scope",
+    "last_outcome",
     "point_of_no_return",
     "run",
+    "was_replayed",
 ]

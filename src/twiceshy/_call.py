@@ -36,6 +36,7 @@ from ._protocol import (
 from ._reconciling import Reconciler
 from ._records import Effect, Outcome, Snapshot, State
 from ._runtime import Around, Runtime
+from ._scope import told
 from .errors import (
     InProgress,
     KeyReuseMismatch,
@@ -184,13 +185,16 @@ def called(call: Call) -> Generator[Any, Any, Any]:
                     raise (yield from _failed(call, plan, led, exc))  # noqa: B904 - exc, or from it
                 runtime.flights.land(plan.namespace, plan.key, led, value, None)
     except BaseException as exc:
-        runtime.answered(p.name, p.effect, call.key, _outcome_of(exc, call), call.clock, exc)
+        outcome = _outcome_of(exc, call)
+        told(outcome)
+        runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc)
         if around is not None:
             around.__exit__(type(exc), exc, exc.__traceback__)
         raise
     # A call that ran the tool is EXECUTED, even when its write was then refused and it
     # answered the record's outcome instead (a newer owner's).
     outcome = Outcome.EXECUTED if call.ran else call.outcome
+    told(outcome)
     runtime.answered(p.name, p.effect, call.key, outcome, call.clock, None)
     if around is not None:
         around.__exit__(None, None, None)

@@ -212,6 +212,7 @@ class Ledger:
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
         release_grace: Duration | NotGiven = NOT_GIVEN,
+        key_window: Duration | None = None,
     ) -> Guard:
         """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
 
@@ -244,6 +245,14 @@ class Ledger:
         lease_s = _seconds(lease, "lease")
         if lease_s <= 0:
             raise ValueError("lease= must be positive")
+        window = None if key_window is None else _seconds(key_window, "key_window")
+        if window is not None and effect is not Effect.KEYED:
+            raise ValueError(
+                "key_window= is how long a provider remembers the key of a KEYED tool; "
+                f"leave it out for a {effect.name} tool"
+            )
+        if window is not None and window <= 0:
+            raise ValueError("key_window= must be positive")
         if effect_at not in (None, "mark", "http"):
             raise ValueError(f"effect_at= must be 'mark', 'http' or None, not {effect_at!r}")
         try:
@@ -273,6 +282,7 @@ class Ledger:
                 if release_grace is NOT_GIVEN
                 else _seconds(release_grace, "release_grace")
             ),
+            key_window=window,
         )
         return Guard(
             self,
@@ -310,6 +320,7 @@ class Ledger:
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
         release_grace: Duration | NotGiven = NOT_GIVEN,
+        key_window: Duration | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Protect a tool (``def`` or ``async def``); the decorated tool keeps its signature.
 
@@ -353,6 +364,11 @@ class Ledger:
                 reconciler may not release it (``DidNotHappen()`` is then read as "cannot
                 tell"): a lapse is not a crash, and a paused owner may still be taking effect.
                 Twice the lease by default.
+            key_window: KEYED tools only: how long the provider remembers an idempotency key
+                (Stripe: 24 hours). Past it, counted from the intent's first claim, an intent
+                that is not settled is no longer run again with its key: it answers as an
+                UNSAFE one would (``OutcomeUnknown``, after the reconciler). ``None`` (the
+                default): no window, the key is used however late.
 
         Raises:
             ValueError: an option is out of range or names parameters the tool lacks.
@@ -383,5 +399,6 @@ class Ledger:
                 "max_arg_bytes": max_arg_bytes,
                 "max_arg_depth": max_arg_depth,
                 "release_grace": release_grace,
+                "key_window": key_window,
             },
         )

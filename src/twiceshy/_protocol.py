@@ -269,6 +269,9 @@ class Policy:
     #: How long after a lapse was marked UNKNOWN no reconciler may release it (seconds, on the
     #: store's clock): its owner, only paused, may still be acting.
     release_grace: float = 60.0
+    #: KEYED only: how long the provider remembers a key (seconds from the intent's first claim,
+    #: on the store's clock). Past it, an unsettled intent answers as an UNSAFE one would.
+    key_window: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,7 +452,12 @@ def protect(
                     raise kept.raised
                 return kept.value
             remaining = (record.lease_deadline or snap.now) - snap.now
-            done, value, snap, kept = yield from _own(plan, record, sent + LEASE_TRUST * remaining)
+            window_ends = math.inf
+            if policy.key_window is not None:  # on this caller's clock, from when it asked
+                window_ends = sent + record.created_at + policy.key_window - snap.now
+            done, value, snap, kept = yield from _own(
+                plan, record, sent + LEASE_TRUST * remaining, window_ends
+            )
             if done:
                 return value
             continue
@@ -467,7 +475,10 @@ def protect(
             if settlement is not None:
                 snap = yield Write(settlement)
                 continue
-        action = FOUND[found, policy.effect]
+        effect = policy.effect
+        if policy.key_window is not None and _window_passed(policy, record, snap.now):
+            effect = Effect.UNSAFE  # the provider has forgotten the key: a retry is blind
+        action = FOUND[found, effect]
         if action is Answer.REPLAY:
             assert record.result is not None
             yield _NOTES[settled]
@@ -484,7 +495,10 @@ def protect(
             )
             continue
         if action is Answer.REFUSE:
-            raise OutcomeUnknown(policy.tool, plan.key, record.reason or "")
+            reason = record.reason or ""
+            if effect is not policy.effect:
+                reason = f"{reason}; {_window_text(policy)}" if reason else _window_text(policy)
+            raise OutcomeUnknown(policy.tool, plan.key, reason)
         # Answer.WAIT: its owner is running it.
         now = yield _NOW
         if wait_until is None:
@@ -504,6 +518,20 @@ def protect(
         snap = yield Wait(record.fence, min(left, max(until_lapse, 0.0) + 0.005))
         rounds -= 1
     raise StoreError(f"the ledger gave no settled answer for key {plan.key} in {MAX_STEPS} rounds")
+
+
+def _window_passed(policy: Policy, record: Record, now: float) -> bool:
+    """Whether the provider of a KEYED tool has forgotten the key of ``record`` at store time
+    ``now``: its window has passed since the intent's first claim."""
+    assert policy.key_window is not None
+    return policy.effect is Effect.KEYED and now >= record.created_at + policy.key_window
+
+
+def _window_text(policy: Policy) -> str:
+    return (
+        f"its provider remembers idempotency keys for {policy.key_window:g} s, and that window "
+        "has passed since the first attempt, so it is not run again with its key"
+    )
 
 
 def _claimed(record: Record, now: float) -> Found:
@@ -598,7 +626,7 @@ def _doubt(plan: CallPlan, record: Record, reason: str, error: BaseException) ->
 
 
 def _own(
-    plan: CallPlan, record: Record, trusted_until: float
+    plan: CallPlan, record: Record, trusted_until: float, window_ends: float = math.inf
 ) -> Generator[Command, Any, tuple[bool, Any, Snapshot, _Kept | None]]:
     """Run the work as the owner of ``record.fence``; record its outcome.
 
@@ -607,6 +635,9 @@ def _own(
     lapsed lease over, or after a reconciler (its own, or an operator's) released the intent. An
     UNSAFE owner also takes back a record at its own fence that a lapse marked UNKNOWN: nothing
     but a reconciler moves such a record on, so nobody else has run the work.
+
+    ``window_ends``: when the provider forgets the key of a KEYED tool (monotonic): an attempt
+    that ends ambiguously past it is not retried in place, and ends as an UNSAFE one would.
 
     Returns ``(True, value, snap, None)`` when this call's own outcome stands, or
     ``(False, None, snap, kept)`` when a write was refused: the caller then follows the record's
@@ -642,6 +673,8 @@ def _own(
         passed = passed or ran.marked
         ending = Ending.RETURNED if error is None else _ending(policy, error, passed)
         written = ENDINGS[ending, policy.effect, attempt >= policy.attempts]
+        if written.then is Then.RETRY and window_ends < math.inf and (yield _NOW) >= window_ends:
+            written = ENDINGS[ending, Effect.UNSAFE, True]  # its key is forgotten: no blind retry
         if written.then is Then.RETRY:
             assert error is not None
             interrupted = yield Sleep(policy.backoff(attempt))
@@ -751,6 +784,8 @@ def _end_of(
         reason = f"interrupted by {describe(error, policy.wrappers)} before it finished"
     else:
         reason = describe(error, policy.wrappers)
+    if written.then is Then.RAISE_UNKNOWN and policy.effect is not Effect.UNSAFE:
+        reason = f"{reason}; {_window_text(policy)}"  # a KEYED tool past its key window
     change = _doubt(plan, record, reason, error)
     if written.then is Then.RAISE_UNKNOWN:
         unknown = OutcomeUnknown(policy.tool, plan.key, reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final
 
 __all__ = [
     "FINAL_STATES",
@@ -75,6 +76,15 @@ class Outcome(enum.Enum):
     #: The ledger failed (``StoreError``); the error says whether the tool had run.
     STORE_ERROR = "store_error"
 
+    @property
+    def replayed(self) -> bool:
+        """Whether the call was answered without running the tool itself: an earlier call's
+        outcome, replayed, joined or waited for, or a reconciler's answer."""
+        return self in _REPLAYS
+
+
+_REPLAYS: Final = frozenset({Outcome.REPLAYED, Outcome.JOINED, Outcome.WAITED, Outcome.RECONCILED})
+
 
 @dataclass(frozen=True, slots=True)
 class CallEvent:
@@ -98,6 +108,11 @@ class CallEvent:
     error: BaseException | None
     started: float
     duration: float
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the caller got an earlier outcome rather than one of this call's own run."""
+        return self.outcome.replayed
 
 
 @dataclass(frozen=True, slots=True)

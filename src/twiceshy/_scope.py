@@ -16,7 +16,7 @@ import contextvars
 from collections.abc import Callable
 from types import TracebackType
 
-from ._records import Effect
+from ._records import Effect, Outcome
 from .errors import FencedOut
 
 __all__ = [
@@ -26,8 +26,11 @@ __all__ = [
     "current_scope",
     "entered_scope",
     "inherited_scope",
+    "last_outcome",
     "point_of_no_return",
     "run",
+    "told",
+    "was_replayed",
 ]
 
 
@@ -104,6 +107,11 @@ class Current:
 
 _call: contextvars.ContextVar[Current | None] = contextvars.ContextVar(
     "twiceshy_call", default=None
+)
+
+# How the last protected call made in this context was answered.
+_last: contextvars.ContextVar[Outcome | None] = contextvars.ContextVar(
+    "twiceshy_last_outcome", default=None
 )
 
 
@@ -203,6 +211,29 @@ def current_key() -> str | None:
     """
     call = _call.get()
     return call.key if call is not None else None
+
+
+def last_outcome() -> Outcome | None:
+    """How the last protected call made in this context (this thread, or this task and the
+    code it awaits) was answered, or ``None`` before any.
+
+    ``last_outcome().replayed`` says whether the caller got an earlier call's outcome (replayed,
+    joined, waited for, or a reconciler's answer) rather than one of its own run: for code that
+    reports or bills what it did, or marks a replayed answer to its own callers.
+    """
+    return _last.get()
+
+
+def was_replayed() -> bool:
+    """Whether the last protected call made in this context was answered without running its
+    tool: an earlier call's outcome, replayed, joined or waited for, or a reconciler's answer."""
+    outcome = _last.get()
+    return outcome is not None and outcome.replayed
+
+
+def told(outcome: Outcome) -> None:
+    """Say how a protected call was answered, for :func:`last_outcome` (for the call)."""
+    _last.set(outcome)
 
 
 def current_call() -> Current | None:

@@ -97,7 +97,8 @@ def times(span: ReadableSpan) -> tuple[int, int]:
 
 
 def test_executed_and_replayed_calls_make_one_span_each(telemetry: Telemetry) -> None:
-    """A call and its retry make two INTERNAL spans with tool, key, effect and outcome."""
+    """A call and its retry make two INTERNAL spans with tool, key, effect and outcome; the
+    retry's is marked replayed."""
     ledger, _ = telemetry.ledger()
 
     @ledger.tool(effect=twiceshy.KEYED)
@@ -115,8 +116,9 @@ def test_executed_and_replayed_calls_make_one_span_each(telemetry: Telemetry) ->
             "twiceshy.key": key,
             "twiceshy.effect": "keyed",
             "twiceshy.outcome": outcome,
+            "twiceshy.replayed": replayed,
         }
-        for outcome in ("executed", "replayed")
+        for outcome, replayed in (("executed", False), ("replayed", True))
     ]
     for span in spans:
         assert span.kind is SpanKind.INTERNAL
@@ -192,6 +194,7 @@ def test_a_refused_call_has_no_key(telemetry: Telemetry) -> None:
         "twiceshy.tool": "charge",
         "twiceshy.effect": "keyed",
         "twiceshy.outcome": "refused",
+        "twiceshy.replayed": False,
         "error.type": "twiceshy.errors.MissingScope",
     }
     assert span.status.status_code is StatusCode.ERROR

@@ -7,9 +7,10 @@ One line, where the ledger is made::
 For each protected call, once it is answered (a :class:`twiceshy.CallEvent`):
 
 - a span ``twiceshy <tool>`` of kind INTERNAL, timed by the event, with the attributes
-  ``twiceshy.tool``, ``twiceshy.key`` (when there is one), ``twiceshy.effect`` and
-  ``twiceshy.outcome``; when the caller got an exception, status ERROR, the exception recorded
-  as a span event and ``error.type``;
+  ``twiceshy.tool``, ``twiceshy.key`` (when there is one), ``twiceshy.effect``,
+  ``twiceshy.outcome`` and ``twiceshy.replayed`` (whether the caller got an earlier call's
+  outcome rather than one of its own run); when the caller got an exception, status ERROR, the
+  exception recorded as a span event and ``error.type``;
 - one count on the counter ``twiceshy.calls`` and one point on the histogram
   ``twiceshy.call.duration`` (seconds), both with ``twiceshy.tool``, ``twiceshy.effect``,
   ``twiceshy.outcome`` and, on failure, ``error.type``; never the key, whose every value is new.
@@ -129,7 +130,7 @@ class TwiceshyTelemetry:
         }
         if event.error is not None:
             labels["error.type"] = _error_type(event.error)
-        attributes = dict(labels)
+        attributes: dict[str, str | bool] = {**labels, "twiceshy.replayed": event.replayed}
         if event.key is not None:
             attributes["twiceshy.key"] = event.key
         span = self._open.get()
