@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 
 import pytest
@@ -19,17 +20,20 @@ def test_the_last_call_says_whether_it_was_replayed() -> None:
     def charge(amount: int) -> str:
         return f"ch_{amount}"
 
-    assert twiceshy.last_outcome() is None
-    assert not twiceshy.was_replayed()
-    with twiceshy.run("run-1"):
-        charge(1)
-        assert twiceshy.last_outcome() is Outcome.EXECUTED
+    def calls() -> None:
+        assert twiceshy.last_outcome() is None
         assert not twiceshy.was_replayed()
-        charge(1)
-        assert twiceshy.last_outcome() is Outcome.REPLAYED
-        assert twiceshy.was_replayed()
-        charge(2)
-        assert not twiceshy.was_replayed()
+        with twiceshy.run("run-1"):
+            charge(1)
+            assert twiceshy.last_outcome() is Outcome.EXECUTED
+            assert not twiceshy.was_replayed()
+            charge(1)
+            assert twiceshy.last_outcome() is Outcome.REPLAYED
+            assert twiceshy.was_replayed()
+            charge(2)
+            assert not twiceshy.was_replayed()
+
+    contextvars.Context().run(calls)  # a context no earlier call was made in
 
 
 def test_a_refused_or_unknown_call_is_not_a_replay() -> None:
