@@ -23,16 +23,8 @@ from typing import Any, Final, cast
 
 from ._binding import BoundCall
 from ._inflight import Flight
-from ._protocol import (
-    CallPlan,
-    Claim,
-    Policy,
-    Run,
-    Write,
-    abandoned,
-    protect,
-    retry_only,
-)
+from ._commands import Claim, Run, Write
+from ._protocol import CallPlan, Policy, abandoned, protect, retry_only
 from ._reconciling import Reconciler
 from ._records import Effect, Outcome, Snapshot, State
 from ._runtime import Around, Runtime

@@ -22,7 +22,7 @@ from typing import Any, Final, TypeVar
 
 from ._binding import BoundCall
 from ._call import AwaitFlight, Call, Look, Protection, Work, called
-from ._protocol import Claim, Note, Now, Ran, Reconcile, Run, Sleep, Wait, Write
+from ._commands import Claim, Note, Now, Ran, Reconcile, Run, Sleep, Wait, Write
 from ._reconciling import areconciled, reconciled
 from ._records import Snapshot
 from ._scope import Current, Deferred, reset_call, reset_nested, set_call, set_nested

@@ -20,9 +20,27 @@ import random
 from asyncio import CancelledError
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 from ._codec import NotKept, ResultCodec, decode_error, encode_error, not_kept, type_name
+from ._commands import (
+    CLAIM,
+    NOTES,
+    NOW,
+    Claim,
+    Command,
+    DidNotHappen,
+    Happened,
+    Note,
+    Now,
+    Protocol,
+    Ran,
+    Reconcile,
+    Run,
+    Sleep,
+    Wait,
+    Write,
+)
 from ._records import Change, Effect, Outcome, Record, Snapshot, State
 from ._rules import (
     ENDINGS,
@@ -57,6 +75,7 @@ __all__ = [
     "Note",
     "Now",
     "Policy",
+    "Protocol",
     "Ran",
     "Reconcile",
     "Run",
@@ -114,117 +133,6 @@ def renewal(fence: int, owner: str, lease: float, *, take_back: bool = False) ->
     return Change(fence=fence, from_states=sources, to=_C, owner=owner, lease=lease)
 
 
-# -- commands the protocol yields, and their answers -------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Now:
-    """Answer the driver's monotonic clock (seconds)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Note:
-    """Say how the call is being answered (for observers); answer: ``None``.
-
-    Yielded only right before the protocol answers from the record; a call that noted nothing
-    was answered by running the tool (EXECUTED).
-    """
-
-    outcome: Outcome
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """Claim the key (answer: a :class:`Snapshot`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Write:
-    """Apply a guarded write (answer: a :class:`Snapshot`).
-
-    ``finish``: carried to its end even if the call is interrupted meanwhile (a claim given back).
-    """
-
-    change: Change
-    finish: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Wait until the record leaves CLAIMED under ``fence``, at most ``timeout`` seconds."""
-
-    fence: int
-    timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
-
-    ``trusted_until``: the monotonic time at which the owner's trust in its lease ends: the
-    lease must be renewed by then, and ``point_of_no_return`` renews it first past it.
-    """
-
-    fence: int
-    attempt: int
-    trusted_until: float = math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class Ran:
-    """How one run of the tool ended.
-
-    Attributes:
-        value: what the tool returned.
-        error: what it raised, or ``None``; for a recorded call also an interruption (a
-            ``BaseException`` that is no ``Exception``: a cancelled task, ``KeyboardInterrupt``).
-        marked: whether the attempt passed its point of no return (``point_of_no_return()``,
-            or an HTTP transport that marks it) before it ended.
-    """
-
-    value: object = None
-    error: BaseException | None = None
-    marked: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Sleep ``seconds`` (between in-place retries).
-
-    Answer: ``None``, or the interruption that cut the sleep short (a cancelled task, Ctrl-C).
-    """
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Reconcile:
-    """Ask the tool's reconciler what became of the intent.
-
-    Answer: :class:`Happened`, :class:`DidNotHappen`, or ``None`` (it cannot tell).
-    """
-
-
-@dataclass(frozen=True, slots=True)
-class Happened:
-    """A reconciler's answer: the intent took effect, and this is its result."""
-
-    result: object = None
-
-
-@dataclass(frozen=True, slots=True)
-class DidNotHappen:
-    """A reconciler's answer: the intent certainly did not take effect."""
-
-
-Command: TypeAlias = Now | Note | Claim | Write | Wait | Run | Sleep | Reconcile
-Protocol: TypeAlias = Generator[Command, Any, Any]
-
-_NOW: Final = Now()
-_CLAIM: Final = Claim()
-_NOTES: Final = {outcome: Note(outcome) for outcome in Outcome}
-
-
 def exponential_backoff(
     initial: float = 0.1, maximum: float = 2.0, *, jitter: bool = True
 ) -> Callable[[int], float]:
@@ -276,7 +184,8 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class CallPlan:
-    """One call: its tool's policy, and the names it goes by in the ledger."""
+    """One call: its tool's policy, the names it goes by in the ledger, and the arguments its
+    claim keeps (canonical JSON text, a marker of their size, or ``None``: none kept)."""
 
     policy: Policy
     namespace: str
@@ -426,8 +335,8 @@ def protect(
     """
     # ``sent``: when the last command that could make this call the owner was sent.
     if recalled is None:
-        sent = yield _NOW  # _timed(Claim()), written out: every call takes this step
-        snap = yield _CLAIM
+        sent = yield NOW  # _timed(Claim()), written out: every call takes this step
+        snap = yield CLAIM
     else:
         sent, snap = -math.inf, recalled  # never won: it makes nobody the owner
     policy = plan.policy
@@ -440,7 +349,7 @@ def protect(
         record = snap.record
         if record is None:
             # The record expired between two commands: claim afresh.
-            sent, snap = yield from _timed(_CLAIM)
+            sent, snap = yield from _timed(CLAIM)
             continue
         if snap.won and record.state is State.CLAIMED and record.owner == plan.owner:
             if kept is not None:
@@ -481,10 +390,10 @@ def protect(
         action = FOUND[found, effect]
         if action is Answer.REPLAY:
             assert record.result is not None
-            yield _NOTES[settled]
+            yield NOTES[settled]
             return _replayed(plan, record.result)
         if action is Answer.RAISE_RECORDED:
-            yield _NOTES[settled]
+            yield NOTES[settled]
             raise _replay_error(plan, record.error)
         if action is Answer.TAKE or action is Answer.TAKE_LAPSED:
             sent, snap = yield from _take(plan, record, lapsed=action is Answer.TAKE_LAPSED)
@@ -500,7 +409,7 @@ def protect(
                 reason = f"{reason}; {_window_text(policy)}" if reason else _window_text(policy)
             raise OutcomeUnknown(policy.tool, plan.key, reason)
         # Answer.WAIT: its owner is running it.
-        now = yield _NOW
+        now = yield NOW
         if wait_until is None:
             wait_until = now + policy.wait
         left = wait_until - now
@@ -613,7 +522,7 @@ def _timed(command: Claim | Write) -> Generator[Command, Any, tuple[float, Snaps
     The lease it grants is trusted from when it was sent (monotonic), never from when the answer
     came back: an answer can arrive late.
     """
-    sent: float = yield _NOW
+    sent: float = yield NOW
     snap: Snapshot = yield command
     return sent, snap
 
@@ -647,7 +556,7 @@ def _own(
     policy = plan.policy
     attempt = 1
     passed = False  # whether an attempt of this call passed its point of no return
-    now = yield _NOW
+    now = yield NOW
     if now >= trusted_until:
         take_back = _FINISH_FROM if policy.effect is Effect.UNSAFE else frozenset()
         sent, snap = yield from _timed(
@@ -673,7 +582,7 @@ def _own(
         passed = passed or ran.marked
         ending = Ending.RETURNED if error is None else _ending(policy, error, passed)
         written = ENDINGS[ending, policy.effect, attempt >= policy.attempts]
-        if written.then is Then.RETRY and window_ends < math.inf and (yield _NOW) >= window_ends:
+        if written.then is Then.RETRY and window_ends < math.inf and (yield NOW) >= window_ends:
             written = ENDINGS[ending, Effect.UNSAFE, True]  # its key is forgotten: no blind retry
         if written.then is Then.RETRY:
             assert error is not None
