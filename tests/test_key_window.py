@@ -167,7 +167,7 @@ def test_a_window_is_only_for_keyed_tools(effect: twiceshy.Effect) -> None:
 def test_a_window_must_be_positive(window: float | timedelta) -> None:
     """An empty or negative window is refused when the tool is declared."""
     ledger = twiceshy.Ledger("memory://", counts_interval=None)
-    with pytest.raises(ValueError, match="positive|negative"):
+    with pytest.raises(ValueError, match=r"positive|negative"):
 
         @ledger.tool(effect=twiceshy.KEYED, key_window=window)
         def charge(amount: int) -> str:
