@@ -93,6 +93,11 @@ class AwaitedStore:
         purged: int = self._beyond("purge_expired", namespace)
         return purged
 
+    def expired(self, namespace: str | None = None) -> list[Record]:
+        """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
+        found: list[Record] = self._beyond("expired", namespace)
+        return found
+
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`."""
         self._beyond("add_counts", namespace, counts)

@@ -16,7 +16,9 @@ from twiceshy.stores import AsyncStore, Store, ThreadedAsyncStore
 from twiceshy.stores.memory import MemoryStore
 from twiceshy.stores.sqlite import SQLiteStore
 
-SERVERS = ("postgres", "redis")
+SERVERS = ("postgres", "redis", "dynamodb")
+#: The marker of each server store's tests: a cluster's are Redis tests, a pooler's PostgreSQL's.
+SERVER_MARKS = {"redis-cluster": "redis", "pgbouncer": "postgres"}
 
 #: A store opened for a test: the blocking store, its async twin (as ``open_store`` pairs them),
 #: and how to clean up after both.
@@ -67,6 +69,62 @@ def _redis(clock: FakeClock, tmp_path: Path) -> Opened:
     return store, AsyncRedisStore.twin(store), cleanup
 
 
+def _pgbouncer(clock: FakeClock, tmp_path: Path) -> Opened:
+    """A PostgreSQL store through PgBouncer (transaction pooling), in a schema of its own."""
+    url = servers.require("pgbouncer")
+
+    from twiceshy.stores.postgres import AsyncPostgresStore, PostgresStore
+
+    schema = f"twiceshy_test_{secrets.token_hex(6)}"
+    store = PostgresStore(url, schema=schema, clock=clock, wakeups="poll")
+    twin = AsyncPostgresStore(url, schema=schema, clock=clock, wakeups="poll")
+
+    def cleanup() -> None:
+        store.close()
+        servers.drop_schema(url, schema)
+
+    return store, twin, cleanup
+
+
+def _redis_cluster(clock: FakeClock, tmp_path: Path) -> Opened:
+    """A Redis Cluster store under a key prefix of its own, whose keys are deleted afterwards."""
+    url = servers.require("redis-cluster")
+
+    from twiceshy.stores.redis import AsyncRedisClusterStore, RedisClusterStore
+
+    prefix = f"twiceshy-test:{secrets.token_hex(6)}"
+    store = RedisClusterStore(url, prefix=prefix, clock=clock)
+
+    def cleanup() -> None:
+        store.close()
+        servers.delete_prefix(url, prefix)
+
+    return store, AsyncRedisClusterStore.twin(store), cleanup
+
+
+def _dynamodb(clock: FakeClock, tmp_path: Path) -> Opened:
+    """A DynamoDB store in the shared test table under a key prefix of its own, whose items
+    are deleted afterwards."""
+    endpoint = servers.require("dynamodb")
+
+    from twiceshy.stores.dynamodb import AsyncDynamoDBStore, DynamoDBStore
+
+    prefix = f"twiceshy-test-{secrets.token_hex(6)}"
+    store = DynamoDBStore(
+        servers.DYNAMODB_TABLE,
+        endpoint_url=endpoint,
+        prefix=prefix,
+        clock=clock,
+        **servers.DYNAMODB_OPTIONS,
+    )
+
+    def cleanup() -> None:
+        store.close()  # and its twin with it
+        servers.delete_dynamodb_prefix(prefix)
+
+    return store, AsyncDynamoDBStore.twin(store), cleanup
+
+
 #: Every store the contract suite runs against: name -> factory(clock, tmp_path), which answers
 #: the store, its async twin and how to clean up after them. The server stores skip (fail in
 #: CI) without a server.
@@ -75,10 +133,14 @@ STORE_FACTORIES: dict[str, Factory] = {
     "sqlite": _sqlite,
     "postgres": _postgres,
     "redis": _redis,
+    "redis-cluster": _redis_cluster,
+    "pgbouncer": _pgbouncer,
+    "dynamodb": _dynamodb,
 }
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
+    name = SERVER_MARKS.get(name, name)
     return [getattr(pytest.mark, name)] if name in SERVERS else []
 
 

@@ -90,8 +90,8 @@ def find(key: str) -> Mapping[str, Any] | None:
 
 
 def unreachable(key: str, arguments: Mapping[str, Any] | None) -> Any:
-    """A reconciler whose provider is down."""
-    raise ConnectionError("provider API unreachable")
+    """A reconciler whose provider is down (its error names the arguments it was given)."""
+    raise ConnectionError(f"provider API unreachable, asked about {arguments}")
 
 
 def make_tools(ledger: twiceshy.Ledger) -> dict[str, Any]:

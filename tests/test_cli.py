@@ -297,6 +297,18 @@ def test_ls_table_shows_short_keys_and_states(parked: tuple[str, str]) -> None:
     assert f"5 records in namespace {ns!r}" in out
 
 
+def test_ls_shows_why_a_record_is_unknown(parked: tuple[str, str]) -> None:
+    """The table's reason column gives the UNKNOWN record's reason, and nothing for the others."""
+    url, ns = parked
+    lines = ok(cli(url, ns, "ls")).stdout.splitlines()
+    assert next(line for line in lines if line.split()[:1] == ["key"]).split()[-1] == "reason"
+    unknown = next(line for line in lines if Shop.keys["unknown"][:12] in line)
+    assert unknown.rstrip().endswith("TimeoutError: the bank did not answer")
+    others = [line for line in lines if any(k[:12] in line for k in Shop.keys.values())]
+    assert len(others) == 5
+    assert [line for line in others if "Error" in line] == [unknown]
+
+
 def test_ls_filters(parked: tuple[str, str]) -> None:
     """--state (repeated, any case), --tool, --limit and --since select the right records."""
     url, ns = parked
@@ -351,6 +363,35 @@ def test_show_prints_the_whole_record(parked: tuple[str, str]) -> None:
         "type": "builtins.TimeoutError",
         "message": "the bank did not answer",
     }
+
+
+def test_show_prints_the_arguments_the_record_kept(parked: tuple[str, str]) -> None:
+    """``show`` and ``show --json`` give the call's arguments (which amount); ``ls --json`` too."""
+    url, ns = parked
+    key = Shop.keys["unknown"]
+    out = ok(cli(url, ns, "show", key)).stdout
+    lines = out.splitlines()
+    at = lines.index("arguments")
+    assert " ".join(" ".join(lines[at + 1 : at + 4]).split()) == '{ "amount": 4900 }'
+    assert shown(url, ns, key)["args"] == {"amount": 4900}
+    assert listed(url, ns)[Shop.keys["released"]]["args"] == {"to": "ann@example.com"}
+
+
+def test_show_prints_the_arguments_escaped(ledger_url: str) -> None:
+    """Kept arguments holding an OSC sequence are shown escaped; a tool keeping none says so."""
+    ns = f"args-{secrets.token_hex(4)}"
+    with twiceshy.Ledger(ledger_url, namespace=ns) as ledger:
+        kept = ledger.guard("mail", effect=twiceshy.KEYED)
+        bare = ledger.guard("fax", effect=twiceshy.KEYED, keep_args=False)
+        kept.call({"to": f"ann{OSC}"}, lambda: "sent", key="k-kept")
+        bare.call({"to": "bob"}, lambda: "sent", key="k-bare")
+    out = no_controls(ok(terminal(ledger_url, ns, "show", "k-kept")).stdout)
+    assert r'"to": "ann\u001b]0;pwned\u0007"' in out
+    assert no_controls(ok(terminal(ledger_url, ns, "show", "k-kept", "--json")).stdout)
+    assert shown(ledger_url, ns, "k-kept")["args"] == {"to": f"ann{OSC}"}
+    out = ok(cli(ledger_url, ns, "show", "k-bare")).stdout
+    assert "arguments    not kept (keep_args=False" in out
+    assert shown(ledger_url, ns, "k-bare")["args"] is None
 
 
 def test_show_prints_result_and_lease(parked: tuple[str, str]) -> None:
@@ -522,13 +563,18 @@ def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> No
         dry = ok(cli(ledger_url, ns, "gc", "--dry-run")).stdout
         assert "nothing removed" in dry
         assert "2 claimed or unknown records, never removed" in dry
+        would = int(dry.split("gc would remove ")[1].split()[0])
+        verbose = ok(cli(ledger_url, ns, "gc", "--dry-run", "-v")).stdout
+        named = {key for state, key in keys.items() if key in verbose}
         out = ok(cli(ledger_url, ns, "gc")).stdout
         removed = int(out.split()[1])
         assert out.startswith(f"removed {removed} expired outcome")
         if "redis" in ledger_url:
-            assert 0 <= removed <= 3  # Redis expires them itself (PEXPIREAT)
+            assert 0 <= removed <= would <= 3  # Redis expires them itself (PEXPIREAT)
         else:
-            assert removed == 3
+            assert would == removed == 3  # the dry runs removed nothing
+            assert named == {keys["succeeded"], keys["failed"], keys["released"]}
+            assert f"  {keys['succeeded']}  charge  succeeded, expired " in verbose
         assert "removed 0 expired outcomes" in ok(cli(ledger_url, ns, "gc")).stdout
         everywhere = ok(cli(ledger_url, ns, "gc", "--all-namespaces")).stdout
         if "redis" not in ledger_url:
@@ -543,6 +589,14 @@ def test_gc_removes_expired_outcomes_only(ledger_url: str, tmp_path: Path) -> No
     finally:
         shop.ledger.close()
         other.ledger.close()
+
+
+def test_gc_verbose_needs_dry_run(ledger_url: str) -> None:
+    """``gc -v`` without ``--dry-run`` is a usage error (exit 2), not a purge."""
+    result = cli(ledger_url, "t", "gc", "-v")
+    assert result.exit_code == 2, result.output
+    assert "Error: -v names what --dry-run would remove; add --dry-run" in result.stderr
+    assert "removed" not in result.stdout
 
 
 def test_stats_counts_by_state_and_tool(parked: tuple[str, str]) -> None:
@@ -586,11 +640,41 @@ def test_stats_counts_duplicates_answered_across_processes(ledger_url: str) -> N
     data = json.loads(ok(cli(ledger_url, ns, "stats", "--json")).stdout)
     assert data["calls"] == {"charge": {"executed": 1, "replayed": 6}}
     assert data["duplicates_answered"] == {"replayed": 6, "joined": 0, "waited": 0, "total": 6}
+    assert data["ran"] == {"charge": 1}
     out = ok(cli(ledger_url, ns, "stats")).stdout
     assert "calls by how they were answered: 7" in out
     assert "duplicates answered without running again: 6 (6 replayed, 0 joined, 0 waited)" in out
     row = next(line for line in out.splitlines() if line.split()[:1] == ["charge"] and "6" in line)
     assert row.split()[-4:] == ["1", "6", "0", "0"]
+
+
+def test_stats_counts_the_calls_that_ran_beside_their_answers(ledger_url: str) -> None:
+    """A tool that ran once and then answered unknown twice: ``stats`` says it ran once."""
+    ns = f"ran-{secrets.token_hex(4)}"
+    runs = 0
+    with twiceshy.Ledger(ledger_url, namespace=ns) as ledger:
+
+        @ledger.tool(effect=twiceshy.UNSAFE)
+        def fax(text: str) -> None:
+            nonlocal runs
+            runs += 1
+            raise TimeoutError("no answer")
+
+        for _ in range(3):
+            with twiceshy.run(SCOPE), pytest.raises(twiceshy.OutcomeUnknown):
+                fax("hello")
+    assert runs == 1
+    data = json.loads(ok(cli(ledger_url, ns, "stats", "--json")).stdout)
+    assert data["calls"] == {"fax": {"unknown": 3}}
+    assert data["ran"] == {"fax": 1}
+    out = ok(cli(ledger_url, ns, "stats")).stdout
+    assert "calls that ran the tool: 1" in out
+    assert "calls by how they were answered: 3" in out
+    lines = [line.split() for line in out.splitlines()]
+    at = lines.index(next(words for words in lines if words[:2] == ["tool", "ran"]))
+    row = next(words for words in lines[at:] if words[:1] == ["fax"])
+    by_column = dict(zip(lines[at], row, strict=True))
+    assert (by_column["ran"], by_column["unknown"], by_column["executed"]) == ("1", "3", "0")
 
 
 # -- errors and the real command ----------------------------------------------------------------
@@ -619,6 +703,18 @@ def test_ledger_errors_are_one_line(url: str, code: int, words: str) -> None:
     """A bad URL (2) or a ledger that cannot be reached (3): one line, no traceback."""
     for command in (["ls"], ["show", "abc"], ["gc"], ["stats"]):
         assert words in one_line_error(cli(url, "", *command), code)
+
+
+def test_a_mistyped_sqlite_url_names_the_absolute_path_and_the_slash_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ledger sqlite:///var/lib/x.db`` with no ./var/lib: the file looked for, and the rule."""
+    monkeypatch.chdir(tmp_path)
+    line = one_line_error(cli("sqlite:///var/lib/billing/l.db", "", "ls"), 3)
+    assert f"no ledger file at {str(tmp_path / 'var/lib/billing/l.db')!r}" in line
+    assert "sqlite:///relative/x.db (three slashes) is relative to the working directory" in line
+    assert "sqlite:////absolute/x.db (four slashes) is absolute" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_password_is_not_printed() -> None:
@@ -872,6 +968,9 @@ def test_ls_and_stats_show_escape_sequences_escaped(hostile: tuple[str, str]) ->
     out = no_controls(ok(terminal(url, ns, "ls")).stdout)
     assert out.count(SHOWN_TOOL) == 4
     assert r"hostile-\x1b[2J " in out  # the key's first 12 characters
+    # The unknown record's reason, escaped, then cut to 40 characters.
+    assert r"TimeoutError: the bank \x1b]0;pwned\x07…" in out
+    assert "did not answer" not in out
     out = no_controls(ok(terminal(url, ns, "stats")).stdout)
     row = next(line for line in out.splitlines() if SHOWN_TOOL in line)
     assert row.split()[1:] == ["0", "2", "1", "0", "1", "4"]

@@ -59,6 +59,7 @@ def test_a_flush_adds_the_calls_to_the_store(store: Store) -> None:
     ledger.flush_counts()  # as close() does; close() would also close the test's store
     assert store.counts("shop") == {
         ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
         ("charge", "joined"): 1,
         ("charge", "replayed"): 2,
     }
@@ -74,7 +75,11 @@ def test_counts_are_flushed_every_interval(store: Store) -> None:
         charge(1)
         charge(1)
     deadline = time.monotonic() + 10
-    while store.counts("shop") != {("charge", "executed"): 1, ("charge", "replayed"): 1}:
+    while store.counts("shop") != {
+        ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
+        ("charge", "replayed"): 1,
+    }:
         assert time.monotonic() < deadline, store.counts("shop")
         time.sleep(0.02)
 
@@ -93,7 +98,7 @@ def test_refusals_and_unknown_outcomes_are_counted(store: Store) -> None:
         fax("hello")
     with twiceshy.run("run-3"), pytest.raises(twiceshy.OutcomeUnknown):
         fax("hello")
-    assert ledger.counts() == {("fax", "refused"): 1, ("fax", "unknown"): 2}
+    assert ledger.counts() == {("fax", "refused"): 1, ("fax", "unknown"): 2, ("fax", "ran"): 1}
 
 
 def test_counts_interval_none_keeps_the_counts_in_the_process() -> None:
@@ -131,7 +136,11 @@ def test_a_failed_flush_keeps_the_counts_for_the_next() -> None:
         charge(1)
     with pytest.raises(twiceshy.StoreUnavailable):
         ledger.flush_counts()
-    assert ledger.counts() == {("charge", "executed"): 1, ("charge", "replayed"): 1}
+    assert ledger.counts() == {
+        ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
+        ("charge", "replayed"): 1,
+    }
 
 
 def test_a_failed_flush_at_close_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
@@ -156,12 +165,19 @@ def test_the_flushing_thread_ends_when_idle_and_starts_again() -> None:
     with twiceshy.run("run-7"):
         charge(1)
     deadline = time.monotonic() + 10
-    while store.counts("") != {("charge", "executed"): 1} or len(flushers()) > before:
+    while (
+        store.counts("") != {("charge", "executed"): 1, ("charge", "ran"): 1}
+        or len(flushers()) > before
+    ):
         assert time.monotonic() < deadline, (store.counts(""), flushers())
         time.sleep(0.01)
     with twiceshy.run("run-7"):
         charge(1)
-    while store.counts("") != {("charge", "executed"): 1, ("charge", "replayed"): 1}:
+    while store.counts("") != {
+        ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
+        ("charge", "replayed"): 1,
+    }:
         assert time.monotonic() < deadline, store.counts("")
         time.sleep(0.01)
 
@@ -189,7 +205,7 @@ def test_close_adds_the_pending_counts() -> None:
     inner = ledger.store
     ledger.close()
     assert isinstance(inner, CallCounts)
-    assert inner.counts("shop") == {("charge", "executed"): 1}
+    assert inner.counts("shop") == {("charge", "executed"): 1, ("charge", "ran"): 1}
 
 
 def _child_calls() -> None:
@@ -221,5 +237,9 @@ def test_a_forked_child_counts_only_its_own_calls(tmp_path: Any) -> None:
     reader = twiceshy.Ledger(url, counts_interval=None)
     store = reader.store
     assert isinstance(store, CallCounts)
-    assert store.counts("") == {("charge", "executed"): 1, ("charge", "replayed"): 1}
+    assert store.counts("") == {
+        ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
+        ("charge", "replayed"): 1,
+    }
     reader.close()

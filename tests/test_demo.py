@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -37,6 +38,11 @@ def _script(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+DOUBLE_CHARGE = "the plain retry loop charged the customer twice for one purchase"
+PROTECTED = "With twiceshy, one charge each"
+RED, GREEN = "\x1b[1;31m", "\x1b[1;32m"  # bold red, bold green
+
+
 def _row(output: str, title: str) -> tuple[int, int]:
     """The calls and charges printed on a table row."""
     match = re.search(rf"{re.escape(title)}\W+(\d+)\W+(\d+)\W", output)
@@ -68,6 +74,7 @@ def test_keyed_tool_charges_once_and_the_retry_gets_the_first_charge(result: Dem
 def test_keyed_tool_replays_from_the_ledger_without_the_provider(result: DemoResult) -> None:
     """A third call of the KEYED tool is answered by the ledger; the provider sees no request."""
     keyed = result.keyed
+    assert keyed.later
     assert not keyed.calls[2].reached_provider
     assert keyed.requests == 2
 
@@ -106,9 +113,60 @@ def test_report_prints_the_table_and_the_message(result: DemoResult) -> None:
     assert _row(text, "plain retry loop") == (2, 2)
     assert _row(text, "twiceshy, KEYED") == (3, 1)
     assert _row(text, "twiceshy, UNSAFE") == (2, 1)
-    assert "replayed from ledger" in text
-    assert "2 / 1 / 1, as expected" in text
+    assert f"{result.plain.charges[1]}, charged AGAIN" in text
     assert " ".join(result.message.split()[:8]) in " ".join(text.split())
+
+
+def _colour_report(result: DemoResult) -> str:
+    out = io.StringIO()
+    print_report(result, Console(file=out, width=120, force_terminal=True, color_system="standard"))
+    return out.getvalue()
+
+
+def _charges_cell(report: str, title: str) -> str:
+    """The charges cell of an act's row, with its colour codes and without its padding."""
+    line = next(line for line in report.splitlines() if title in line)
+    return "".join(line.split("│")[3].split())
+
+
+def test_report_paints_the_double_charge_red_and_the_protected_acts_green(
+    result: DemoResult,
+) -> None:
+    """The plain loop's two charges and its second charge are red; KEYED's and UNSAFE's 1 green."""
+    report = _colour_report(result)
+    assert _charges_cell(report, "plain retry loop").startswith(f"{RED}2")
+    assert _charges_cell(report, "twiceshy, KEYED").startswith(f"{GREEN}1")
+    assert _charges_cell(report, "twiceshy, UNSAFE").startswith(f"{GREEN}1")
+    assert f"{RED}{result.plain.charges[1]}" in report  # the second charge's id, in red
+    # The verdict: the double charge is the failure, in red, not "as expected"; then twiceshy's.
+    assert f"{RED}Without twiceshy, the plain retry loop charged the customer twice" in report
+    assert f"{GREEN}{PROTECTED}" in report
+    plain = " ".join(_plain(report).split())
+    assert DOUBLE_CHARGE in plain
+    assert "as expected" not in plain
+
+
+def _plain(report: str) -> str:
+    return re.sub(r"\x1b\[[\d;]*m", "", report)
+
+
+def test_report_explains_the_keyed_third_call(result: DemoResult) -> None:
+    """The KEYED row's third call is the model's later call, answered by the ledger alone."""
+    report = " ".join(_plain(_colour_report(result)).split())
+    assert f"{result.keyed.charges[0]}, replayed (a later call)" in report
+    assert (
+        "KEYED, third call: later in the run the model calls the tool again (it read the timeout "
+        "in its history). Same arguments, same intent: the ledger answers with the first "
+        "charge, and the provider never sees the call."
+    ) in report
+
+
+def test_report_says_so_when_the_story_does_not_come_out(result: DemoResult) -> None:
+    """A run whose counts are off (one charge in the plain loop) is reported in red, not as told."""
+    plain = dataclasses.replace(result.plain, charges=result.plain.charges[:1])
+    report = _colour_report(dataclasses.replace(result, plain=plain))
+    assert f"{RED}The demo did not come out as told: charges at the provider 1 / 1 / 1" in report
+    assert DOUBLE_CHARGE not in _plain(report)
 
 
 def test_console_script_runs_the_demo() -> None:
@@ -119,7 +177,9 @@ def test_console_script_runs_the_demo() -> None:
     assert _row(done.stdout, "twiceshy, KEYED") == (3, 1)
     assert _row(done.stdout, "twiceshy, UNSAFE") == (2, 1)
     assert "OutcomeUnknown" in done.stdout
-    assert "Charges at the provider: 2 / 1 / 1, as expected." in done.stdout
+    said = " ".join(done.stdout.split())
+    assert DOUBLE_CHARGE in said
+    assert PROTECTED in said
     assert done.stderr == ""
 
 
@@ -129,7 +189,7 @@ def test_console_script_reuses_a_persistent_ledger(tmp_path: Path) -> None:
     for _ in range(2):
         done = _script("demo", "--ledger", url)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "2 / 1 / 1, as expected" in done.stdout
+        assert DOUBLE_CHARGE in " ".join(done.stdout.split())
         assert url in done.stdout.replace("\n", "")
     assert (tmp_path / "l.db").exists()
 
@@ -174,4 +234,4 @@ def test_console_script_runs_on_server_ledgers(server_ledger: str) -> None:
     """``demo --ledger URL`` tells the full story on a PostgreSQL and a Redis ledger too."""
     done = _script("demo", "--ledger", server_ledger)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 / 1 / 1, as expected" in done.stdout
+    assert DOUBLE_CHARGE in " ".join(done.stdout.split())

@@ -108,15 +108,15 @@ def test_lease_deadline_is_on_the_server_clock(pg: tuple[str, str]) -> None:
 
 
 def test_schema_version_is_checked(pg: tuple[str, str]) -> None:
-    """The meta table records schema version 2; a version this twiceshy does not know is refused."""
+    """The meta table records schema version 3; a version this twiceshy does not know is refused."""
     url, schema = pg
     PostgresStore(url, schema=schema, table="ledger").close()
     with psycopg.connect(url, autocommit=True) as conn:
         meta = sql.Identifier(schema, "ledger_meta")
         row = conn.execute(sql.SQL("SELECT value FROM {}").format(meta)).fetchone()
-        assert row == ("2",)
-        conn.execute(sql.SQL("UPDATE {} SET value = '3'").format(meta))
-    with pytest.raises(StoreError, match="schema version '3'"):
+        assert row == ("3",)
+        conn.execute(sql.SQL("UPDATE {} SET value = '4'").format(meta))
+    with pytest.raises(StoreError, match="schema version '4'"):
         PostgresStore(url, schema=schema, table="ledger")
 
 
@@ -152,16 +152,33 @@ def _make_version_1(url: str, schema: str) -> dict[str, sql.Identifier]:
 
 
 def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str]) -> None:
-    """Opening a version 1 table moves it to version 2: new listing index, counts, same records."""
+    """Opening a version 1 table moves it to version 3: new listing index, counts, the
+    arguments column, same records."""
     url, schema = pg
     names = _make_version_1(url, schema)
     store = PostgresStore(url, schema=schema, table="ledger")
     try:
         record = store.get("", "k1").record
         assert record is not None
-        assert (record.state, record.result) == (State.SUCCEEDED, '{"id": "ch_1"}')
+        assert (record.state, record.result, record.args) == (
+            State.SUCCEEDED,
+            '{"id": "ch_1"}',
+            None,
+        )
         store.add_counts("", {("charge", "replayed"): 2})
         assert store.counts("") == {("charge", "replayed"): 2}
+        snap = store.claim(
+            "",
+            "k2",
+            fingerprint="f",
+            tool="t",
+            effect=Effect.KEYED,
+            owner="o",
+            lease=30,
+            args='{"amount":4900}',
+        )
+        assert snap.record is not None
+        assert snap.record.args == '{"amount":4900}'
     finally:
         store.close()
     with psycopg.connect(url, autocommit=True) as conn:
@@ -173,7 +190,7 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str
                 (schema,),
             )
         }
-    assert version == ("2",)
+    assert version == ("3",)
     assert indexes == {"ledger_pkey", "ledger_by_time", "ledger_by_expiry"}
     PostgresStore(url, schema=schema, table="ledger").close()  # opening it again changes nothing
 
@@ -230,7 +247,7 @@ def test_create_false_migrates_a_version_1_ledger(pg: tuple[str, str]) -> None:
     assert tables(url, schema) == {"ledger", "ledger_meta", "ledger_counts"}
     with psycopg.connect(url, autocommit=True) as conn:
         version = conn.execute(sql.SQL("SELECT value FROM {meta}").format(**names)).fetchone()
-    assert version == ("2",)
+    assert version == ("3",)
 
 
 def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str]) -> None:
@@ -250,6 +267,7 @@ def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str])
                 "effect": "keyed",
                 "owner": "o",
                 "lease": 30.0,
+                "args": None,
                 "now": None,
             }
             conn.execute(st.claim, params).fetchall()
@@ -260,9 +278,9 @@ def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str])
         plan = "\n".join(
             row[0]
             for row in conn.execute(
-                sql.SQL("EXPLAIN EXECUTE {}(NULL, '', 'k7', 'f', 't', 'keyed', 'o2', 30.0)").format(
-                    sql.Identifier(name)
-                )
+                sql.SQL(
+                    "EXPLAIN EXECUTE {}(NULL, '', 'k7', 'f', 't', 'keyed', 'o2', 30.0, NULL)"
+                ).format(sql.Identifier(name))
             ).fetchall()
         )
     scans = [line.strip() for line in plan.splitlines() if "Scan using" in line]

@@ -183,11 +183,12 @@ def test_absent_at_an_authoritative_provider_is_released_and_runs_once(parked: P
 
 
 def test_reconciler_that_raises_is_reported_and_leaves_unknown(parked: Parked) -> None:
-    """A reconciler that raises is reported as an error; its record stays UNKNOWN."""
+    """A reconciler that raises is reported as an error; its record stays UNKNOWN. It was
+    given the arguments its record kept."""
     found = rows(cli(parked, TOOLS, "--json"))
     broken = found[parked.keys["broken"]]
     assert broken["result"] == "error"
-    assert broken["error"] == "ConnectionError: provider API unreachable"
+    assert broken["error"] == "ConnectionError: provider API unreachable, asked about {'amount': 4}"
     assert parked.state("broken") is twiceshy.State.UNKNOWN
     assert parked.keys["manual"] not in found  # a tool without reconciler is not asked
     assert parked.state("manual") is twiceshy.State.UNKNOWN

@@ -263,7 +263,11 @@ def test_replays_from_memory_are_counted_and_observed_as_replays(tmp_path: Path)
         charge(4900)
         charge(4900)
     assert events == [Outcome.EXECUTED, Outcome.REPLAYED, Outcome.REPLAYED]
-    assert ledger.counts() == {("charge", "executed"): 1, ("charge", "replayed"): 2}
+    assert ledger.counts() == {
+        ("charge", "executed"): 1,
+        ("charge", "ran"): 1,
+        ("charge", "replayed"): 2,
+    }
     ledger.close()
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from twiceshy._records import Change, Effect, Snapshot, State
 from twiceshy.errors import LedgerNotFound, StoreError, StoreUnavailable
-from twiceshy.stores import open_store
-from twiceshy.stores.sqlite import SQLiteStore, has_wal_reset_bug
+from twiceshy.stores import default_url, open_store
+from twiceshy.stores.sqlite import LedgerDirectoryNotFound, SQLiteStore, has_wal_reset_bug
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -46,7 +46,8 @@ def _file_journal_mode(path: Path) -> str:
 
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
-    """A path for a ledger file that does not exist yet."""
+    """A path for a ledger file that does not exist yet, in an empty directory."""
+    (tmp_path / "state").mkdir()
     return tmp_path / "state" / "ledger.db"
 
 
@@ -191,6 +192,7 @@ def test_a_synchronous_that_may_lose_claims_is_used_with_a_warning(
 def test_from_url_paths_and_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """sqlite:///rel is relative, sqlite:////abs absolute; query parameters become settings."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
     relative = SQLiteStore.from_url("sqlite:///rel/ledger.db")
     try:
         assert relative.path == "rel/ledger.db"
@@ -198,6 +200,7 @@ def test_from_url_paths_and_parameters(tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         relative.close()
     absolute = tmp_path / "abs dir" / "ledger.db"
+    absolute.parent.mkdir()
     url = f"sqlite:///{absolute}?journal_mode=wal&synchronous=extra&busy_timeout=2.5"
     assert url.startswith("sqlite:////")
     store = SQLiteStore.from_url(url)
@@ -284,7 +287,7 @@ def test_a_bad_busy_timeout_argument_is_refused_naming_it(
     """busy_timeout= out of range is a ValueError, of another type a TypeError; both name it."""
     with pytest.raises(error, match="busy_timeout"):
         SQLiteStore(db, busy_timeout=value)
-    assert not db.parent.exists()
+    assert list(db.parent.iterdir()) == []
 
 
 def test_the_largest_busy_timeout_opens(db: Path) -> None:
@@ -316,17 +319,20 @@ def _mode(path: Path) -> int:
 
 @pytest.mark.usefixtures("umask_022")
 @pytest.mark.parametrize("journal_mode", ["delete", "wal"])
-def test_new_ledger_files_and_directories_are_private(tmp_path: Path, journal_mode: str) -> None:
-    """The store makes its directories 0700 and its files 0600; existing directories keep theirs."""
+def test_new_ledger_files_and_directories_are_private(
+    tmp_path: Path, journal_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default ledger's directories are made 0700, the files 0600; existing ones keep theirs."""
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
-    db = shared / "a" / "b" / "ledger.db"
+    monkeypatch.setenv("XDG_STATE_HOME", str(shared / "state"))
+    db = shared / "state" / "twiceshy" / "ledger.db"
     store = SQLiteStore(db, journal_mode=journal_mode)
     try:
         assert _claim(store, "alice").won
         assert _mode(shared) == 0o755
-        assert _mode(shared / "a") == 0o700
-        assert _mode(shared / "a" / "b") == 0o700
+        assert _mode(shared / "state") == 0o700
+        assert _mode(shared / "state" / "twiceshy") == 0o700
         made = sorted(p.name for p in db.parent.iterdir())
         if journal_mode == "wal":
             assert made == ["ledger.db", "ledger.db-shm", "ledger.db-wal"]
@@ -370,6 +376,8 @@ def test_unopenable_file_raises_at_construction(tmp_path: Path) -> None:
     with pytest.raises(StoreUnavailable) as caught:
         SQLiteStore(directory)
     assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+    assert "unable to open database file" in str(caught.value)
+    assert repr(str(directory)) in str(caught.value)  # SQLite's words name no file
 
 
 def test_not_a_database_raises_store_error(tmp_path: Path) -> None:
@@ -379,20 +387,125 @@ def test_not_a_database_raises_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError) as caught:
         SQLiteStore(path)
     assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
+    assert str(caught.value) == f"SQLite ledger {str(path)!r}: file is not a database"
+
+
+def test_a_missing_directory_is_refused_and_nothing_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sqlite:///var/lib/billing/ledger.db with no ./var/lib/billing: refused, nothing created."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LedgerDirectoryNotFound) as caught:
+        SQLiteStore.from_url("sqlite:///var/lib/billing/ledger.db")
+    assert list(tmp_path.iterdir()) == []  # not a second, empty ledger
+    error = caught.value
+    assert isinstance(error, StoreError)
+    assert isinstance(error, FileNotFoundError)
+    where = str(tmp_path / "var" / "lib" / "billing" / "ledger.db")
+    assert error.path == where
+    message = str(error)
+    assert repr(where) in message
+    assert repr(str(tmp_path / "var" / "lib" / "billing")) in message
+    assert "sqlite:///relative/x.db (three slashes) is relative to the working directory" in message
+    assert repr(str(tmp_path)) in message
+    assert "sqlite:////absolute/x.db (four slashes) is absolute" in message
+
+
+def test_a_missing_directory_named_as_a_relative_path_hints_the_absolute_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative path whose absolute twin's directory exists: the message spells its URL."""
+    (tmp_path / "ledgers").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    meant = tmp_path / "ledgers" / "ledger.db"
+    relative = str(meant).lstrip("/")
+    with pytest.raises(LedgerDirectoryNotFound) as caught:
+        SQLiteStore.from_url(f"sqlite:///{relative}")
+    assert str(caught.value).endswith(f"(for {str(meant)!r}: sqlite:///{meant})")
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert list((tmp_path / "ledgers").iterdir()) == []
+
+
+def test_a_missing_directory_with_create_false_is_ledger_not_found(tmp_path: Path) -> None:
+    """create=False on a path in a missing directory: LedgerNotFound with the slash rule."""
+    db = tmp_path / "nope" / "ledger.db"
+    with pytest.raises(LedgerNotFound) as caught:
+        SQLiteStore(db, create=False)
+    assert not isinstance(caught.value, LedgerDirectoryNotFound)
+    assert str(caught.value).startswith(
+        f"no twiceshy ledger at {str(db)!r}: the directory {str(db.parent)!r} does not exist. "
+        "sqlite:///relative/x.db (three slashes)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_ledger_directory_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default URL's file opens where its directory (and the state home) does not exist yet."""
+    monkeypatch.delenv("TWICESHY_LEDGER", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    store = SQLiteStore.from_url(default_url())
+    try:
+        assert _claim(store, "alice").won
+    finally:
+        store.close()
+    assert (tmp_path / "state" / "twiceshy" / "ledger.db").is_file()
+    # Another file of the state home is not the default ledger's directory.
+    with pytest.raises(LedgerDirectoryNotFound):
+        SQLiteStore(tmp_path / "state" / "other" / "ledger.db")
 
 
 def test_schema_version_is_recorded_and_checked(db: Path) -> None:
-    """The file records schema version 1; a file of another version is refused."""
+    """The file records schema version 2; a file of another version is refused."""
     SQLiteStore(db).close()
     conn = sqlite3.connect(db, isolation_level=None)
     try:
         row = conn.execute("SELECT value FROM twiceshy_meta WHERE name = 'schema_version'")
-        assert row.fetchone()[0] == "1"
-        conn.execute("UPDATE twiceshy_meta SET value = '2' WHERE name = 'schema_version'")
+        assert row.fetchone()[0] == "2"
+        conn.execute("UPDATE twiceshy_meta SET value = '3' WHERE name = 'schema_version'")
     finally:
         conn.close()
     with pytest.raises(StoreError, match="schema version"):
         SQLiteStore(db)
+
+
+def test_a_version_1_file_is_migrated_keeping_its_records(db: Path) -> None:
+    """A file of version 1 (no arguments column) opens as version 2: its records read back
+    with no arguments, and new claims keep theirs."""
+    store = SQLiteStore(db)
+    old = _claim(store, "alice").record
+    store.close()
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:  # the file as version 1 left it
+        conn.execute("ALTER TABLE twiceshy_records DROP COLUMN args")
+        conn.execute("UPDATE twiceshy_meta SET value = '1' WHERE name = 'schema_version'")
+    finally:
+        conn.close()
+    store = SQLiteStore(db)
+    try:
+        assert store.get(NS, KEY).record == old
+        claimed = store.claim(
+            NS,
+            "k2",
+            fingerprint="f",
+            tool="t",
+            effect=Effect.KEYED,
+            owner="o",
+            lease=30,
+            args='{"amount":4900}',
+        )
+        assert claimed.record is not None
+        assert claimed.record.args == '{"amount":4900}'
+    finally:
+        store.close()
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        row = conn.execute("SELECT value FROM twiceshy_meta WHERE name = 'schema_version'")
+        assert row.fetchone()[0] == "2"
+    finally:
+        conn.close()
 
 
 def test_two_stores_on_one_file_see_each_other(db: Path) -> None:
@@ -529,7 +642,7 @@ def test_process_race_has_exactly_one_winner(tmp_path: Path, journal_mode: str |
     """
     processes, trials = 8, 20
     ctx = multiprocessing.get_context("fork")
-    paths = [str(tmp_path / f"race-{trial}" / "ledger.db") for trial in range(trials)]
+    paths = [str(tmp_path / f"race-{trial}.db") for trial in range(trials)]
     start, go = ctx.Barrier(processes), ctx.Barrier(processes)
     results: Queue[tuple[Any, ...]] = ctx.Queue()
     workers = [
@@ -632,7 +745,7 @@ def test_create_false_refuses_a_missing_file_and_creates_nothing(db: Path) -> No
     """create=False on a path with no file raises LedgerNotFound; no file, no directory made."""
     with pytest.raises(LedgerNotFound, match=r"no twiceshy ledger at .*: there is no such file"):
         open_store(f"sqlite:///{db}", create=False)
-    assert not db.parent.exists()
+    assert list(db.parent.iterdir()) == []
 
 
 def _other_application(path: Path) -> None:

@@ -34,7 +34,7 @@ from twiceshy._records import (
     is_live,
     new_claim,
 )
-from twiceshy.stores import CallCounts, Store, open_store
+from twiceshy.stores import CallCounts, ExpiredOutcomes, Store, open_store
 
 if TYPE_CHECKING:
     from conftest import FakeClock
@@ -550,6 +550,81 @@ def test_purge_expired_deletes_only_expired_outcomes(store: Store, clock: FakeCl
     assert {r.key for r in store.records(NS)} == set(kept)
 
 
+def test_expired_lists_what_a_purge_would_delete_and_deletes_nothing(
+    store: Store, clock: FakeClock
+) -> None:
+    """expired() answers the outcomes past their retention, whole, by namespace or all, and
+    leaves them for purge_expired to count."""
+    assert isinstance(store, ExpiredOutcomes)
+    short = {
+        state: finish(store, owned(store, key=f"short-{state.value}"), state, ttl=10)
+        for state in (State.SUCCEEDED, State.FAILED, State.RELEASED)
+    }
+    finish(store, owned(store, key="long"), State.SUCCEEDED, result="1", ttl=1000)
+    owned(store, key="claimed")
+    finish(store, owned(store, key="unknown"), State.UNKNOWN, reason="r", ttl=1)
+    other = finish(store, owned(store, key="b", namespace="tenant-b"), State.SUCCEEDED, ttl=10)
+    clock.advance(5)
+    assert store.expired(NS) == []
+    clock.advance(20)
+    found = store.expired(NS)
+    assert sorted(r.key for r in found) == ["short-failed", "short-released", "short-succeeded"]
+    by_key = {r.key: r for r in found}
+    for record in short.values():
+        assert fields(by_key[record.key]) == fields(record)
+    assert {(r.namespace, r.key) for r in store.expired()} == {
+        *((NS, r.key) for r in found),
+        ("tenant-b", other.key),
+    }
+    assert store.purge_expired(NS) == 3
+    assert store.expired(NS) == []
+    assert [r.key for r in store.expired()] == ["b"]
+
+
+def test_a_claim_keeps_its_arguments_through_every_write(store: Store, clock: FakeClock) -> None:
+    """The args a winning claim carries are kept as given, by every read and write after it; a
+    claim that loses changes nothing; one over an expired outcome keeps its own (or none)."""
+    text = '{"amount":4900,"iban":"DE89 3704 0044 0532 0130 00","note":"caf\u00e9 \u2603"}'
+    won = store.claim(
+        NS,
+        KEY,
+        fingerprint="fp-1",
+        tool="charge",
+        effect=Effect.KEYED,
+        owner="alice",
+        lease=LEASE,
+        args=text,
+    )
+    assert won.won
+    assert won.record is not None
+    assert won.record.args == text
+    lost = store.claim(
+        NS,
+        KEY,
+        fingerprint="fp-1",
+        tool="charge",
+        effect=Effect.KEYED,
+        owner="bob",
+        lease=LEASE,
+        args='{"amount":1}',
+    )
+    assert not lost.won
+    assert lost.record is not None
+    assert lost.record.args == text
+    done = finish(store, won.record, State.SUCCEEDED, result='"ok"', ttl=10)
+    assert done.args == text
+    got = store.get(NS, KEY).record
+    assert got is not None
+    assert got.args == text
+    assert [r.args for r in store.records(NS)] == [text]
+    clock.advance(20)
+    again = claim(store, "carol")
+    assert again.won
+    assert again.record is not None
+    assert (again.record.fence, again.record.args) == (2, None)
+    assert owned(store, key="other").args is None
+
+
 # -- namespaces and round trips -------------------------------------------------------------
 
 
@@ -769,6 +844,9 @@ def test_the_stores_under_test_are_those_open_store_opens(
         "sqlite": f"sqlite:///{tmp_path / 'opened.db'}",
         "postgres": f"{servers.POSTGRES_URL}?schema={where}",
         "redis": f"{servers.REDIS_URL}?prefix={where}",
+        "redis-cluster": f"{servers.REDIS_CLUSTER_URL}?prefix={where}",
+        "pgbouncer": f"{servers.PGBOUNCER_URL}?schema={where}&wakeups=poll",
+        "dynamodb": servers.dynamodb_url(prefix=where),
     }[name]
     opened, async_opened = open_store(url)
     try:
@@ -777,5 +855,5 @@ def test_the_stores_under_test_are_those_open_store_opens(
     finally:
         asyncio.run(async_opened.close())
         opened.close()
-        if name == "postgres":
+        if name in ("postgres", "pgbouncer"):
             servers.drop_schema(servers.POSTGRES_URL, where)

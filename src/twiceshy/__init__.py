@@ -12,6 +12,10 @@ error where nobody can know it.
     >>> with twiceshy.run("run-42"):
     ...     charge(4900, "cus_1") == charge(4900, customer="cus_1")
     True
+
+(PYTEST_DONT_REWRITE: the package ships a pytest plugin, ``twiceshy.testing``, and pytest would
+otherwise rewrite this module's asserts whenever it is installed, and warn when a program that
+imported twiceshy then runs pytest.)
 """
 
 import logging as _logging

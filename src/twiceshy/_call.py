@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from ._binding import BoundCall
-from ._inflight import Flight
 from ._commands import Claim, Run, Write
+from ._inflight import Flight
 from ._protocol import CallPlan, Policy, abandoned, protect, retry_only
 from ._reconciling import Reconciler
 from ._records import Effect, Outcome, Snapshot, State
@@ -180,6 +180,8 @@ def called(call: Call) -> Generator[Any, Any, Any]:
         outcome = _outcome_of(exc, call)
         told(outcome)
         runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc)
+        if call.ran and runtime.tally is not None:  # ran, whatever it answers
+            runtime.tally.add_ran(p.name)
         if around is not None:
             around.__exit__(type(exc), exc, exc.__traceback__)
         raise
@@ -188,6 +190,8 @@ def called(call: Call) -> Generator[Any, Any, Any]:
     outcome = Outcome.EXECUTED if call.ran else call.outcome
     told(outcome)
     runtime.answered(p.name, p.effect, call.key, outcome, call.clock, None)
+    if call.ran and runtime.tally is not None:
+        runtime.tally.add_ran(p.name)
     if around is not None:
         around.__exit__(None, None, None)
     return value

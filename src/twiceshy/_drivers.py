@@ -179,6 +179,16 @@ def _store_op(store: Store | AsyncStore, command: Claim | Write | Wait | Look, c
         return store.write(plan.namespace, plan.key, command.change)  # type: ignore[union-attr]
     if kind is Claim:
         policy = plan.policy
+        if plan.args is None:  # a tool that keeps no arguments works with any store
+            return store.claim(
+                plan.namespace,
+                plan.key,
+                fingerprint=plan.fingerprint,
+                tool=policy.tool,
+                effect=policy.effect,
+                owner=plan.owner,
+                lease=policy.lease,
+            )
         return store.claim(
             plan.namespace,
             plan.key,
@@ -187,6 +197,7 @@ def _store_op(store: Store | AsyncStore, command: Claim | Write | Wait | Look, c
             effect=policy.effect,
             owner=plan.owner,
             lease=policy.lease,
+            args=plan.args,
         )
     if kind is Wait:
         return store.wait(plan.namespace, plan.key, command.fence, command.timeout)  # type: ignore[union-attr]

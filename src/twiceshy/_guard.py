@@ -5,26 +5,45 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from ._binding import BoundCall
 from ._call import Protection, Work
-from ._canonical import MAX_BYTES, MAX_DEPTH
+from ._canonical import MAX_BYTES, MAX_DEPTH, _canonical, canonical_digest
 from ._drivers import aexecute, execute, nested_work
 from ._protocol import CallPlan, Policy, settle
 from ._reconciling import Reconciler, areconciled, awaited, loop_running, reconciled
 from ._records import Effect, Record, State
 from ._scope import Deferred, entered_scope
-from .errors import MissingScope, UnkeyableArgument
+from .errors import MissingScope, UnkeyableArgument, UnkeyableValue
 
 if TYPE_CHECKING:
     from ._ledger import Ledger
 
-__all__ = ["Guard"]
+__all__ = ["KEPT_ARG_BYTES", "REDACTED", "Guard", "kept_arguments"]
 
 R = TypeVar("R")
+
+KEPT_ARG_BYTES: Final = 4096
+"""The largest arguments' text a record keeps (UTF-8 bytes); beyond it, a marker of its size."""
+REDACTED: Final = "[redacted]"
+"""What a field named in ``redact_args=`` holds in the arguments a record keeps."""
+
+
+def kept_arguments(text: str | None) -> dict[str, Any] | None:
+    """The arguments a record kept (:attr:`Record.args`), decoded; ``None`` when it kept none,
+    or only the marker of their size."""
+    if text is None or not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Guard:
@@ -38,12 +57,14 @@ class Guard:
 
     __slots__ = (
         "_ignore_args",
+        "_keep_args",
         "_key_args",
         "_ledger",
         "_max_bytes",
         "_max_depth",
         "_protection",
         "_reconcile",
+        "_redact_args",
         "_runtime",
         "_scope",
         "policy",
@@ -62,9 +83,17 @@ class Guard:
         ignore_args: Collection[str],
         max_arg_bytes: int = MAX_BYTES,
         max_arg_depth: int = MAX_DEPTH,
+        keep_args: bool = True,
+        redact_args: Collection[str] = (),
     ) -> None:
         if key_args is not None and ignore_args:
             raise ValueError("give key_args= or ignore_args=, not both")
+        if not isinstance(keep_args, bool):
+            raise TypeError("keep_args= must be True or False")
+        if isinstance(redact_args, str) or not all(isinstance(n, str) for n in redact_args):
+            raise TypeError('redact_args= must be a collection of argument names, e.g. ("iban",)')
+        if redact_args and not keep_args:
+            raise ValueError("redact_args= redacts the arguments kept: leave out keep_args=False")
         for option, bound in (("max_arg_bytes", max_arg_bytes), ("max_arg_depth", max_arg_depth)):
             if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
                 raise ValueError(f"{option}= must be a whole number of at least 1")
@@ -77,6 +106,8 @@ class Guard:
         self._ignore_args = frozenset(ignore_args)
         self._max_bytes = max_arg_bytes
         self._max_depth = max_arg_depth
+        self._keep_args = keep_args
+        self._redact_args = frozenset(redact_args)
         self._runtime = ledger.runtime
         self._protection = Protection(
             policy.tool,
@@ -209,13 +240,18 @@ class Guard:
             ignore_args=self._ignore_args,
             max_arg_bytes=self._max_bytes,
             max_arg_depth=self._max_depth,
+            keep_args=self._keep_args,
+            redact_args=self._redact_args,
         )
 
     def settle(self, key: str) -> Record | None:
         """Ask this tool's reconciler about a parked (UNKNOWN) record, outside any call.
 
-        For operators (``twiceshy reconcile``): the reconciler gets ``(key, None)``. A record
-        that is not UNKNOWN, or belongs to another tool, is answered unchanged.
+        For operators (``twiceshy reconcile``): the reconciler gets ``(key, args)``, the
+        arguments the record kept, decoded (``None`` when it kept none: ``keep_args=False``, a
+        record older than kept arguments, or arguments beyond the bound; a field named in
+        ``redact_args=`` holds :data:`REDACTED`). A record that is not UNKNOWN, or belongs to
+        another tool, is answered unchanged.
 
         Returns:
             The record afterwards: SUCCEEDED or RELEASED when the reconciler knew, else as it
@@ -231,7 +267,7 @@ class Guard:
         record = snap.record
         if record is None or not self._parked(record):
             return record
-        answer = reconciled(reconcile, key, None)
+        answer = reconciled(reconcile, key, kept_arguments(record.args))
         if inspect.isawaitable(answer):
             if loop_running():
                 close = getattr(answer, "close", None)
@@ -254,7 +290,7 @@ class Guard:
         record = snap.record
         if record is None or not self._parked(record):
             return record
-        answer = await areconciled(reconcile, key, None)
+        answer = await areconciled(reconcile, key, kept_arguments(record.args))
         change = settle(self.policy, record, answer, snap.now)
         return record if change is None else (await store.write(ns, key, change)).record
 
@@ -277,6 +313,8 @@ class Guard:
         call (its nested runs' scope).
         """
         name = self.policy.tool
+        if self._keep_args:
+            return self._plan_keeping(bound, scope)
         try:
             if bound.explicit_key is not None:
                 key = bound.explicit_key
@@ -303,6 +341,57 @@ class Guard:
             raise self._beyond(refusal) from None
         runtime = self._runtime
         return CallPlan(self.policy, runtime.namespace, key, fingerprint, runtime.owner_token())
+
+    def _plan_keeping(self, bound: BoundCall, scope: str | None) -> CallPlan:
+        """:meth:`_plan` for a tool that keeps its arguments: the canonical text made for the
+        key is the text kept, made once (the hashing is :meth:`BoundCall.identity`'s)."""
+        name = self.policy.tool
+        try:
+            if bound.explicit_key is None:
+                if scope is None:
+                    scope = self._scope_of(bound)
+                if not scope or not isinstance(scope, str):
+                    raise MissingScope(
+                        f"the tool {name!r} was called outside any twiceshy.run(...) scope; wrap "
+                        "the agent's run in `with twiceshy.run(run_id):` so retries of one intent "
+                        "share a key"
+                    )
+            text, data = _canonical(bound.keyed, self._max_depth, self._max_bytes)
+            body = text.encode() if data is None else data
+            if bound.keyed is bound.fingerprinted:
+                digest = hashlib.sha256(f"{name}:".encode())
+                digest.update(body)
+                fingerprint = digest.hexdigest()
+            else:
+                fingerprint = canonical_digest(
+                    bound.fingerprinted, f"{name}:".encode(), max_depth=self._max_depth
+                )
+            if bound.explicit_key is not None:
+                key = bound.explicit_key
+            else:
+                try:
+                    head = f"{scope}:{name}:".encode()
+                except UnicodeEncodeError:
+                    raise UnkeyableValue("scope", f"contains a lone surrogate: {scope!r}") from None
+                digest = hashlib.sha256(head)
+                digest.update(body)
+                key = digest.hexdigest()
+        except UnkeyableArgument as refusal:
+            if refusal.bound is None:
+                raise
+            raise self._beyond(refusal) from None
+        if self._redact_args and not self._redact_args.isdisjoint(bound.keyed):
+            # A second canonical pass, only for the calls that carry a field to hide: the key
+            # and fingerprint above stay those of the real arguments.
+            hidden = {k: REDACTED if k in self._redact_args else v for k, v in bound.keyed.items()}
+            text, data = _canonical(hidden, self._max_depth, self._max_bytes)
+        size = len(text) if data is None else len(data)
+        if size > KEPT_ARG_BYTES:
+            text = f"<arguments not kept: {size} bytes, beyond the {KEPT_ARG_BYTES}-byte bound>"
+        runtime = self._runtime
+        return CallPlan(
+            self.policy, runtime.namespace, key, fingerprint, runtime.owner_token(), text
+        )
 
     def _scope_of(self, bound: BoundCall) -> str | None:
         """The scope of a call given none: an enclosing ``twiceshy.run(...)``, else the

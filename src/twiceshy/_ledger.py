@@ -155,7 +155,11 @@ class Ledger:
         return f"Ledger({redacted_url(self.url)!r}, namespace={self.namespace!r})"
 
     def counts(self) -> dict[tuple[str, str], int]:
-        """This process's call counts not yet added to the store, by ``(tool, outcome)``."""
+        """This process's call counts not yet added to the store, by ``(tool, outcome)``.
+
+        Beside the outcomes, ``(tool, "ran")`` counts the calls that ran the tool, however they
+        were answered (one that ran and lost its reply answers ``unknown``).
+        """
         tally = self.runtime.tally
         return tally.pending() if tally is not None else {}
 
@@ -213,6 +217,8 @@ class Ledger:
         max_arg_depth: int = MAX_DEPTH,
         release_grace: Duration | NotGiven = NOT_GIVEN,
         key_window: Duration | None = None,
+        keep_args: bool = True,
+        redact_args: Collection[str] = (),
     ) -> Guard:
         """A :class:`Guard` for the tool ``name``: the options of :meth:`tool`, without a function.
 
@@ -294,6 +300,8 @@ class Ledger:
             ignore_args=ignore_args,
             max_arg_bytes=max_arg_bytes,
             max_arg_depth=max_arg_depth,
+            keep_args=keep_args,
+            redact_args=redact_args,
         )
 
     def tool(
@@ -321,6 +329,8 @@ class Ledger:
         max_arg_depth: int = MAX_DEPTH,
         release_grace: Duration | NotGiven = NOT_GIVEN,
         key_window: Duration | None = None,
+        keep_args: bool = True,
+        redact_args: Collection[str] = (),
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Protect a tool (``def`` or ``async def``); the decorated tool keeps its signature.
 
@@ -369,9 +379,19 @@ class Ledger:
                 that is not settled is no longer run again with its key: it answers as an
                 UNSAFE one would (``OutcomeUnknown``, after the reconciler). ``None`` (the
                 default): no window, the key is used however late.
+            keep_args: keep each call's arguments with its record (the default): the canonical
+                JSON text of the arguments that name the intent, the text its key is made from,
+                up to 4 KiB (beyond it, a marker of their size). ``twiceshy show`` shows them
+                and a reconciler outside a call (``twiceshy reconcile``) gets them. They may be
+                personal data (names, IBANs, addresses) and are kept as long as the record:
+                ``False`` keeps none.
+            redact_args: names of arguments kept as ``"[redacted]"`` instead of their value
+                (the key and fingerprint are still made from the real values).
 
         Raises:
             ValueError: an option is out of range or names parameters the tool lacks.
+            TypeError: ``keep_args`` is not a bool, or ``redact_args`` is not a collection of
+                names.
             ResultNotStorable: the return annotation has no JSON form.
         """
 
@@ -398,6 +418,8 @@ class Ledger:
                 "max_result_bytes": max_result_bytes,
                 "max_arg_bytes": max_arg_bytes,
                 "max_arg_depth": max_arg_depth,
+                "keep_args": keep_args,
+                "redact_args": redact_args,
                 "release_grace": release_grace,
                 "key_window": key_window,
             },

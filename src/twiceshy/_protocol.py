@@ -192,6 +192,7 @@ class CallPlan:
     key: str
     fingerprint: str
     owner: str
+    args: str | None = None
 
 
 def _classify(policy: Policy, error: BaseException) -> Ending:

@@ -119,7 +119,9 @@ class CallEvent:
 class Record:
     """One key's row in the ledger.
 
-    Times are seconds since the epoch on the store's clock.
+    Times are seconds since the epoch on the store's clock. ``args`` is the canonical JSON text
+    of the arguments that name the intent, as the claim kept it (``None`` when the tool keeps
+    none); set by the claim that made the record, never changed by a write.
     """
 
     namespace: str
@@ -138,6 +140,7 @@ class Record:
     created_at: float
     updated_at: float
     expires_at: float | None
+    args: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +223,7 @@ def new_claim(
     lease: float,
     now: float,
     fence: int = 1,
+    args: str | None = None,
 ) -> Record:
     """The record a winning claim inserts (reference semantics for stores)."""
     return Record(
@@ -239,6 +243,7 @@ def new_claim(
         created_at=now,
         updated_at=now,
         expires_at=None,
+        args=args,
     )
 
 
@@ -276,4 +281,5 @@ def apply_change(record: Record, change: Change, now: float) -> Record:
         created_at=record.created_at,
         updated_at=now,
         expires_at=now + change.ttl if to in FINAL_STATES and change.ttl is not None else None,
+        args=record.args,
     )

@@ -1,6 +1,8 @@
 """Counting how this process's calls were answered, and adding the counts to the ledger.
 
-Every protected call adds one to its ``(tool, outcome)`` count in memory, which costs no I/O. A
+Every protected call adds one to its ``(tool, outcome)`` count in memory, which costs no I/O, and
+a call that ran the tool one to its ``(tool, "ran")`` count: how a call was answered is not
+whether it ran (a call that ran and then lost its reply answers ``unknown``). A
 thread adds the counts to the store every ``interval`` seconds, and :meth:`Tally.close` once
 more, so ``twiceshy stats`` sums what every process sharing the ledger did: how many retries
 were answered by a replay or a join instead of a second run.
@@ -15,15 +17,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Final
 
 from ._forks import reset_in_children
 from ._records import Outcome
 from .errors import StoreError
 from .stores import CallCounts
 
-__all__ = ["Tally"]
+__all__ = ["RAN", "Tally"]
 
 log = logging.getLogger("twiceshy")
+
+RAN: Final = "ran"
+"""The counted name, beside the outcomes' values, of the calls that ran the tool."""
 
 _IDLE_ROUNDS = 3  # intervals without a call before the flushing thread ends
 _FAILURES = 3  # failed flushes in a row before the pending counts are dropped
@@ -59,6 +65,13 @@ class Tally:
                     target=self._loop, name="twiceshy-counts", daemon=True
                 )
                 self._thread.start()
+
+    def add_ran(self, tool: str) -> None:
+        """Count one call that ran the tool (it is also counted by its outcome)."""
+        key = (tool, RAN)
+        with self._lock:
+            # Always beside an add() of the same call, which started the flushing thread.
+            self._counts[key] = self._counts.get(key, 0) + 1
 
     def _after_fork_in_child(self) -> None:
         # A forked child: the counts it inherited are its parent's to flush (by any path: a
@@ -112,7 +125,8 @@ class Tally:
 
     def _drop(self) -> None:
         with self._lock:
-            dropped, self._counts = sum(self._counts.values()), {}
+            dropped = sum(n for (_, name), n in self._counts.items() if name != RAN)
+            self._counts = {}
         log.warning(
             "twiceshy: dropped the counts of %d calls after %d failed flushes", dropped, _FAILURES
         )

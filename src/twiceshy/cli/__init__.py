@@ -20,6 +20,11 @@ What the ledger holds is printed with its control characters escaped (``\\x1b``,
 JSON's ``\\u`` escapes under ``--json``): stored text cannot drive the operator's terminal. The
 ledger commands never create a ledger: they open the store with ``create=False``.
 
+Installed without the extra (``pip install twiceshy``), the package still imports and
+:func:`main` is a stand-in that prints one line naming the extra (``pip install
+'twiceshy[cli]'``) and exits 2; the other names raise :class:`ImportError` saying the same
+(:mod:`twiceshy.cli.extra`).
+
 The modules: ``group`` (the command group), ``options`` (the shared options), one per command
 family (``listing``: ls and show; ``resolving``, ``gc``, ``stats``, ``reconcile``, ``demo``, with
 ``double_charge`` the story it re-enacts), and what they share: ``ledger`` (opening the store,
@@ -29,26 +34,9 @@ and ``exits`` (exit codes and errors).
 
 from __future__ import annotations
 
-try:
-    import click  # noqa: F401
-    import rich  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        f"the twiceshy command line needs the cli extra: pip install 'twiceshy[cli]' ({exc})"
-    ) from exc
+from typing import TYPE_CHECKING
 
-from .exits import (
-    EXIT_BROKEN_PIPE,
-    EXIT_REFUSED,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
-    BadUsage,
-    CommandError,
-    LedgerUnavailable,
-)
-from .group import main
-from .options import parse_duration
-from .resolving import RESOLVE_ERROR_TYPE
+from .extra import MISSING
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -62,3 +50,28 @@ __all__ = [
     "main",
     "parse_duration",
 ]
+
+# mypy reads the first branch only (TYPE_CHECKING is true for it); the second is what an install
+# without click or rich runs.
+if TYPE_CHECKING or MISSING is None:
+    from .exits import (
+        EXIT_BROKEN_PIPE,
+        EXIT_REFUSED,
+        EXIT_UNAVAILABLE,
+        EXIT_USAGE,
+        BadUsage,
+        CommandError,
+        LedgerUnavailable,
+    )
+    from .group import main
+    from .options import parse_duration
+    from .resolving import RESOLVE_ERROR_TYPE
+else:
+    # The console script and ``python -m twiceshy`` import main: it says which extra to install.
+    from .extra import main_without_the_extra as main
+    from .extra import needs_the_extra
+
+    def __getattr__(name: str) -> object:
+        if name in __all__:
+            needs_the_extra(name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

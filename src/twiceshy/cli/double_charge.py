@@ -4,13 +4,16 @@ A payment provider double listens on 127.0.0.1. It commits every charge at once 
 first request of each act only after the client's read timeout has passed, so the agent sees a
 timeout for a charge that went through. Three acts run the same story:
 
-1. a plain retry loop: the retry charges the customer a second time;
+1. a plain retry loop: the retry charges the customer a second time. That double charge is the
+   failure twiceshy exists for, and the report paints it red;
 2. a ``KEYED`` tool: every attempt sends the same idempotency key, the provider deduplicates, and
-   every later call gets the first charge;
+   every later call gets the first charge. A third call comes later, as a model's does when it
+   reads the timeout in its history: the ledger answers it, and the provider never sees it;
 3. an ``UNSAFE`` tool (a provider that cannot deduplicate): the caller gets ``OutcomeUnknown``,
    and nothing runs the charge again.
 
-:func:`run_demo` returns the numbers as a :class:`DemoResult`; with a console it also prints them.
+:func:`run_demo` returns the numbers as a :class:`DemoResult`; with a console it also prints them:
+a charge count above one in red (the customer paid twice), one in green.
 """
 
 from __future__ import annotations
@@ -240,8 +243,14 @@ class Call:
     reached_provider: bool
     created: tuple[str, ...]
 
-    def describe(self) -> Text:
-        """One line for the report."""
+    def describe(self, *, charged_before: bool = False, later: bool = False) -> Text:
+        """One line for the report.
+
+        Args:
+            charged_before: the act's customer was already charged before this call, so a
+                charge it made is a second one: the double charge, in red.
+            later: the model's later call (not a retry of an error): said so.
+        """
         if self.error is not None:
             got = "timeout" if self.error in ("TimeoutError", "URLError") else self.error
             if self.created:
@@ -251,11 +260,15 @@ class Call:
             else:
                 note = ", provider not called"
             return Text.assemble((got, "yellow"), note)
+        if self.created and charged_before:
+            return Text.assemble((str(self.charge_id), "bold red"), (", charged AGAIN", "bold red"))
         if self.created:
             return Text.assemble((str(self.charge_id), "bold"), ", a new charge")
         if self.reached_provider:
             return Text.assemble((str(self.charge_id), "bold"), ", deduplicated by key")
-        return Text.assemble((str(self.charge_id), "bold"), ", replayed from ledger")
+        if later:
+            return Text.assemble((str(self.charge_id), "bold"), ", replayed (a later call)")
+        return Text.assemble((str(self.charge_id), "bold"), ", replayed from the ledger")
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +281,9 @@ class Act:
         calls: the calls the agent made, in order.
         charges: the charges the provider holds for the act's customer, in order.
         requests: how many charge requests reached the provider.
-        expected: how many charges the act should end with.
+        expected: how many charges the act should end with (2 for the plain loop: the story
+            shows the double charge happening).
+        later: whether the last call is the model's later one, made after the act's retries.
     """
 
     title: str
@@ -277,11 +292,27 @@ class Act:
     charges: tuple[str, ...]
     requests: int
     expected: int
+    later: bool = False
 
     @property
     def ok(self) -> bool:
         """Whether the provider holds the expected number of charges."""
         return len(self.charges) == self.expected
+
+    @property
+    def charged_twice(self) -> bool:
+        """Whether the customer was charged more than once for the one purchase."""
+        return len(self.charges) > 1
+
+    def describe_calls(self) -> Text:
+        """The act's calls, one line each; a second charge in red."""
+        lines = []
+        charged = False
+        for number, call in enumerate(self.calls, 1):
+            later = self.later and number == len(self.calls)
+            lines.append(call.describe(charged_before=charged, later=later))
+            charged = charged or bool(call.created)
+        return Text("\n").join(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +403,7 @@ def _act(
         if error is not None:
             errors.append(error)
     charges, requests = client.books(customer)
-    act = Act(title, subtitle, tuple(calls), tuple(charges), requests, expected)
+    act = Act(title, subtitle, tuple(calls), tuple(charges), requests, expected, later=again)
     return act, errors
 
 
@@ -479,7 +510,10 @@ def _print_intro(console: Console) -> None:
 
 
 def print_report(result: DemoResult, console: Console) -> None:
-    """Print the acts as a table, the message the model reads, and the verdict."""
+    """Print the acts as a table, the message the model reads, and the verdict.
+
+    A charge count above one (the customer paid twice) is red, one is green.
+    """
     table = Table(
         title="One timeout, three ways",
         title_style="bold",
@@ -496,11 +530,20 @@ def print_report(result: DemoResult, console: Console) -> None:
         table.add_row(
             Text.assemble((act.title, "bold"), "\n", (act.subtitle, "dim")),
             str(len(act.calls)),
-            Text(str(charges), style="bold red" if charges != act.expected else "bold green"),
-            Text("\n").join(call.describe() for call in act.calls),
+            Text(str(charges), style="bold red" if act.charged_twice else "bold green"),
+            act.describe_calls(),
         )
     console.print()
     console.print(table)
+    if result.keyed.later:
+        console.print(
+            Text.assemble(
+                ("KEYED, third call: ", "bold"),
+                "later in the run the model calls the tool again (it read the timeout in its "
+                "history). Same arguments, same intent: the ledger answers with the first "
+                "charge, and the provider never sees the call.",
+            )
+        )
     if result.message:
         console.print(
             Panel(
@@ -510,15 +553,35 @@ def print_report(result: DemoResult, console: Console) -> None:
                 border_style="yellow",
             )
         )
-    counts = " / ".join(str(len(act.charges)) for act in result.acts)
-    if result.ok:
-        verdict = Text(f"Charges at the provider: {counts}, as expected.", style="bold green")
-    else:
-        verdict = Text(f"Charges at the provider: {counts}, NOT 2 / 1 / 1.", style="bold red")
-    console.print(verdict)
+    console.print(_verdict(result))
     console.print(
         f"ledger: {result.ledger_url}; scope: {result.scope}; {result.seconds:.1f} s",
         style="dim",
         markup=False,
         highlight=False,
+    )
+
+
+def _verdict(result: DemoResult) -> Text:
+    """The story in two lines: the double charge in red, twiceshy's single charges in green."""
+    if not result.ok:
+        counts = " / ".join(str(len(act.charges)) for act in result.acts)
+        return Text(
+            f"The demo did not come out as told: charges at the provider {counts}, not 2 / 1 / 1.",
+            style="bold red",
+        )
+    times = len(result.plain.charges)
+    return Text.assemble(
+        (
+            "Without twiceshy, the plain retry loop charged the customer "
+            f"{'twice' if times == 2 else f'{times} times'} for one purchase: the double "
+            "charge twiceshy exists to prevent.",
+            "bold red",
+        ),
+        "\n",
+        (
+            "With twiceshy, one charge each: KEYED (the provider deduplicated by key, the "
+            "ledger replayed the rest), UNSAFE (OutcomeUnknown, never run again).",
+            "bold green",
+        ),
     )

@@ -58,4 +58,5 @@ def record_json(record: Record, now: float) -> dict[str, Any]:
         "created_at": iso(record.created_at),
         "updated_at": iso(record.updated_at),
         "expires_at": iso(record.expires_at),
+        "args": json_value(record.args),
     }

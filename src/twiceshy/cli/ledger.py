@@ -17,6 +17,7 @@ from .._records import Record
 from .._redaction import redacted, scrubbed
 from ..errors import LedgerNotFound, StoreError
 from ..stores import Store, default_url, open_store
+from ..stores.sqlite._errors import slash_rule
 from .exits import BadUsage, CommandError, LedgerUnavailable
 from .render import short_width
 
@@ -60,7 +61,10 @@ def opened(ledger_url: str | None) -> Iterator[Store]:
         # Opening a file creates it: an operator's typo must not become a new, empty ledger.
         path = unquote(parts.path[1:])
         if path and not os.path.exists(path):
-            raise LedgerUnavailable(f"no ledger file at {path!r} ({shown})")
+            where = os.path.abspath(path)
+            # A mistyped URL: say which file was looked for, and how URLs spell paths.
+            rule = "" if os.path.isdir(os.path.dirname(where)) else f"; {slash_rule()}"
+            raise LedgerUnavailable(f"no ledger file at {where!r} ({shown}){rule}")
     store = open_ledger_store(url)
     try:
         yield store

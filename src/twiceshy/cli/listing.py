@@ -22,11 +22,24 @@ from ..errors import clearing
 from .json_forms import error_of, record_json
 from .ledger import find_record, lease_lapsed, opened, store_now
 from .options import duration, ledger_options
-from .render import PipedConsole, echo, echo_json, iso, json_text, short_width, span, text, when
+from .render import (
+    PipedConsole,
+    echo,
+    echo_json,
+    iso,
+    json_text,
+    short_width,
+    shortened,
+    span,
+    text,
+    when,
+)
 
 __all__ = ["ls", "show"]
 
 _NO_HISTORY: Final = "the ledger keeps a count of attempts, not a history of them"
+_NO_ARGS: Final = "not kept (keep_args=False, or a record from before arguments were kept)"
+_REASON_WIDTH: Final = 40  # characters of an unknown record's reason in ls; show has all of it
 _STATE_STYLES: Final = {
     State.CLAIMED: "yellow",
     State.SUCCEEDED: "green",
@@ -45,6 +58,13 @@ def _state_text(record: Record, now: float) -> Text:
         # A lapse is not a crash: the owner may only have been paused, and may still act.
         label += " (a lapsed lease)" if record.reason == LAPSED else " (its owner's error)"
     return text(label, style=_STATE_STYLES[record.state])
+
+
+def _reason_text(record: Record) -> Text:
+    """Why an unknown record is unknown, on one line and shortened; nothing for the rest."""
+    if record.state is not State.UNKNOWN or record.reason is None:
+        return Text("")
+    return shortened(record.reason, _REASON_WIDTH)
 
 
 @click.command("ls")
@@ -76,6 +96,8 @@ def ls(
 ) -> None:
     """List the ledger's live records, newest first.
 
+    An unknown record's reason is shown shortened; ``show KEY`` gives it whole.
+
     Records are found by key, tool, state and age. They do not keep the scope (run id) of the
     call: a key is a hash of scope, tool and arguments, so there is no --scope filter.
     """
@@ -104,6 +126,7 @@ def ls(
     table.add_column("age", justify="right")
     table.add_column("attempts", justify="right")
     table.add_column("fence", justify="right")
+    table.add_column("reason", no_wrap=True)
     for r in found:
         table.add_row(
             text(r.key[:width]),
@@ -113,6 +136,7 @@ def ls(
             text(span(now - r.created_at)),
             text(str(r.attempts)),
             text(str(r.fence)),
+            _reason_text(r),
         )
     console = PipedConsole(highlight=False)
     console.print(table)
@@ -120,12 +144,25 @@ def ls(
     console.print(text(f"{len(found)} record{plural} in namespace {namespace!r}"), soft_wrap=True)
 
 
+def _print_json(console: PipedConsole, stored: str) -> None:
+    """A stored JSON text, pretty-printed; a text that is not JSON, as it is (both escaped)."""
+    try:
+        data = json.loads(stored)
+    except (ValueError, RecursionError):
+        console.print(text(stored, lines=True))
+        return
+    # rich's JSON would dump it again, C1 controls raw: highlight the escaped text.
+    pretty = JSONHighlighter()(json_text(data))
+    pretty.no_wrap, pretty.overflow = True, None
+    console.print(pretty)
+
+
 @click.command()
 @ledger_options
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="The record as one JSON object.")
 def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> None:
-    """Show one whole record: KEY, or a unique prefix of it."""
+    """Show one whole record: KEY, or a unique prefix of it, with the arguments it kept."""
     with opened(ledger_url) as store:
         record, now = find_record(store, namespace, key)
     if as_json:
@@ -161,19 +198,16 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
     row("created", when(record.created_at, now))
     row("updated", when(record.updated_at, now))
     row("expires", when(record.expires_at, now) if record.expires_at is not None else "never")
+    if record.args is None:
+        row("arguments", _NO_ARGS)
     console = PipedConsole(highlight=False)
     console.print(grid)
+    if record.args is not None:
+        console.print(text("arguments", style="bold"))
+        _print_json(console, record.args)
     if record.result is not None:
         console.print(text("result", style="bold"))
-        try:
-            data = json.loads(record.result)
-        except (ValueError, RecursionError):
-            console.print(text(record.result, lines=True))
-        else:
-            # rich's JSON would dump it again, C1 controls raw: highlight the escaped text.
-            pretty = JSONHighlighter()(json_text(data))
-            pretty.no_wrap, pretty.overflow = True, None
-            console.print(pretty)
+        _print_json(console, record.result)
     if record.state is State.UNKNOWN:
         if record.reason == LAPSED:
             console.print(

@@ -25,6 +25,7 @@ __all__ = [
     "iso",
     "json_text",
     "printable",
+    "shortened",
     "short_width",
     "span",
     "text",
@@ -76,6 +77,18 @@ def json_text(data: Any) -> str:
 def text(value: str, style: str = "", *, lines: bool = False) -> Text:
     """A rich text of ``value``, its control characters escaped (and no markup read in it)."""
     return Text(printable(value, lines=lines), style=style)
+
+
+def shortened(value: str, width: int) -> Text:
+    """A rich text of ``value`` escaped (:func:`printable`), cut to ``width`` characters.
+
+    Escaped first, so a cut cannot leave a control character whole; what is cut is marked
+    with an ellipsis.
+    """
+    shown = printable(value)
+    if len(shown) > width:
+        shown = shown[: width - 1] + "\u2026"
+    return Text(shown)
 
 
 def echo(line: str) -> None:

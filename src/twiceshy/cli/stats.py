@@ -3,7 +3,8 @@
 The call counts come from stores that keep them (:class:`~twiceshy.stores.CallCounts`); each
 process adds its counts every ``counts_interval`` and when its ledger closes, so they trail the
 records a little. The duplicates are the calls answered without running again: replayed, joined
-or waited.
+or waited. Beside how each call was answered, ``ran`` counts the calls that ran the tool: a call
+that ran and lost its reply answers ``unknown``, and so do the retries that find its record.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich import box
 from rich.table import Table
 
 from .._records import Outcome, State
+from .._tally import RAN
 from ..stores import CallCounts
 from .ledger import opened
 from .options import ledger_options
@@ -36,7 +38,10 @@ _DUPLICATES: Final = (Outcome.REPLAYED, Outcome.JOINED, Outcome.WAITED)
 @ledger_options
 @click.option("--json", "as_json", is_flag=True, help="The counts as one JSON object.")
 def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
-    """Count the live records by state and tool, and the calls by how they were answered."""
+    """Count the live records by state and tool, and the calls by how they were answered.
+
+    The ran column counts the calls that ran the tool, whatever they answered.
+    """
     with opened(ledger_url) as store:
         found = store.records(namespace)
         counts = store.counts(namespace) if isinstance(store, CallCounts) else None
@@ -45,8 +50,14 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     for r in found:
         by_tool.setdefault(r.tool, Counter())[r.state] += 1
     answered: dict[str, Counter[str]] = {}
+    ran: Counter[str] = Counter()
     for (tool, outcome), n in (counts or {}).items():
-        answered.setdefault(tool, Counter())[outcome] += n
+        if outcome == RAN:
+            ran[tool] += n
+        else:
+            answered.setdefault(tool, Counter())[outcome] += n
+    for tool in ran:
+        answered.setdefault(tool, Counter())
     duplicates = (
         None
         if counts is None
@@ -65,6 +76,7 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
                 "calls": None
                 if counts is None
                 else {t: dict(sorted(tc.items())) for t, tc in sorted(answered.items())},
+                "ran": None if counts is None else {t: ran[t] for t in sorted(answered)},
                 "duplicates_answered": None
                 if duplicates is None
                 else {**duplicates, "total": sum(duplicates.values())},
@@ -87,6 +99,7 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
         return
     calls = Table(box=box.SIMPLE_HEAD, show_footer=True)
     calls.add_column("tool", footer="all tools", overflow="fold")
+    calls.add_column(RAN, footer=str(sum(ran.values())), justify="right")
     totals: Counter[str] = Counter()
     for per_tool in answered.values():
         totals.update(per_tool)
@@ -95,11 +108,14 @@ def stats(ledger_url: str | None, namespace: str, as_json: bool) -> None:
     for o in shown:
         calls.add_column(o.value, footer=str(totals[o.value]), justify="right")
     for t, per_tool in sorted(answered.items()):
-        calls.add_row(text(t), *(str(per_tool[o.value]) for o in shown))
+        calls.add_row(text(t), str(ran[t]), *(str(per_tool[o.value]) for o in shown))
     total = sum(duplicates.values())
     detail = ", ".join(f"{n} {name}" for name, n in duplicates.items())
     console.print(text(f"calls by how they were answered: {sum(totals.values())}"), soft_wrap=True)
     console.print(calls)
+    console.print(
+        text(f"calls that ran the tool: {sum(ran.values())} (the ran column)"), soft_wrap=True
+    )
     console.print(
         text(f"duplicates answered without running again: {total} ({detail})"), soft_wrap=True
     )

@@ -18,9 +18,10 @@ The contract, in short:
   cannot be reached), chained from the driver's own error; a store never answers "no record" for a
   record it could not read.
 
-Opened with ``create=False`` (:func:`open_store`, ``SQLiteStore``, ``PostgresStore``), a store
-never creates a ledger: where the location holds none (no file, a file or schema without
-twiceshy's tables) it raises :class:`LedgerNotFound` before writing anything. A ledger that is
+Opened with ``create=False`` (:func:`open_store`, ``SQLiteStore``, ``PostgresStore``,
+``DynamoDBStore``), a store never creates a ledger: where the location holds none (no file, a
+file or schema without twiceshy's tables, no DynamoDB table or one without its schema item) it
+raises :class:`LedgerNotFound` before writing anything. A ledger that is
 there opens exactly as with ``create=True``, brought up to date as every open does (PostgreSQL's
 version 1 migrated to 2, a missing call counts table added). Redis creates nothing on open, and
 a ``memory://`` ledger is always new.
@@ -45,6 +46,7 @@ from ..errors import LedgerNotFound
 __all__ = [
     "AsyncStore",
     "CallCounts",
+    "ExpiredOutcomes",
     "LedgerNotFound",
     "Store",
     "ThreadedAsyncStore",
@@ -66,8 +68,13 @@ class Store(Protocol):
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
-        """Insert a CLAIMED record (fence 1) unless the key has a live one; answer the record."""
+        """Insert a CLAIMED record (fence 1) unless the key has a live one; answer the record.
+
+        ``args`` (the call's arguments as canonical JSON text, or ``None``) is kept in the new
+        record as it is; a claim that does not win changes nothing, its ``args`` included.
+        """
         ...
 
     def write(self, namespace: str, key: str, change: Change) -> Snapshot:
@@ -124,6 +131,23 @@ class CallCounts(Protocol):
 
 
 @runtime_checkable
+class ExpiredOutcomes(Protocol):
+    """The optional part of a store that shows what :meth:`Store.purge_expired` would remove.
+
+    Every store of twiceshy's has it (``twiceshy gc --dry-run`` uses it); a store without it
+    only says what gc keeps.
+    """
+
+    def expired(self, namespace: str | None = None) -> list[Record]:
+        """The outcomes past their retention, of one namespace or of all, removing nothing.
+
+        They are what a purge now would delete: SUCCEEDED, FAILED or RELEASED records whose
+        expiry has passed on the store's clock, never a CLAIMED or UNKNOWN one.
+        """
+        ...
+
+
+@runtime_checkable
 class AsyncStore(Protocol):
     """A ledger store for async callers; the same contract as :class:`Store`."""
 
@@ -137,6 +161,7 @@ class AsyncStore(Protocol):
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
         """See :meth:`Store.claim`."""
         ...
@@ -192,6 +217,7 @@ class ThreadedAsyncStore:
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
         """See :meth:`Store.claim`."""
         return await self._call(
@@ -203,6 +229,7 @@ class ThreadedAsyncStore:
             effect=effect,
             owner=owner,
             lease=lease,
+            args=args,
         )
 
     async def write(self, namespace: str, key: str, change: Change) -> Snapshot:
@@ -238,13 +265,15 @@ def open_store(url: str, *, create: bool = True) -> tuple[Store, AsyncStore]:
     """Open the store a URL names.
 
     ``memory://``, ``sqlite:///path/ledger.db``, ``postgresql://user@host/db`` (the
-    ``postgres`` extra), ``redis://host:6379/0`` (the ``redis`` extra).
+    ``postgres`` extra), ``redis://host:6379/0`` and ``redis+cluster://host:port,host:port``
+    (the ``redis`` extra), ``dynamodb://TABLE?region=...`` (the ``dynamodb`` extra).
 
     Args:
         url: the ledger URL.
-        create: make the ledger (the SQLite file, the PostgreSQL schema and tables) where
-            there is none; ``False`` to open only a ledger that exists (for tools that
-            inspect one, such as the command line). Redis and memory create nothing on open.
+        create: make the ledger (the SQLite file, the PostgreSQL schema and tables, the
+            DynamoDB table) where there is none; ``False`` to open only a ledger that exists
+            (for tools that inspect one, such as the command line). Redis and memory create
+            nothing on open.
 
     Returns:
         The blocking store and its async twin.
@@ -279,7 +308,22 @@ def open_store(url: str, *, create: bool = True) -> tuple[Store, AsyncStore]:
         except ImportError as exc:
             raise _missing_extra("redis", exc) from exc
         return open_redis(url)
-    known = "memory://, sqlite:///path, postgresql://..., redis://..."
+    if scheme == "redis+cluster":
+        try:
+            from .redis import open_redis_cluster
+        except ImportError as exc:
+            raise _missing_extra("redis", exc) from exc
+        return open_redis_cluster(url)
+    if scheme == "dynamodb":
+        try:
+            from .dynamodb import open_dynamodb
+        except ImportError as exc:
+            raise _missing_extra("dynamodb", exc) from exc
+        return open_dynamodb(url, create=create)
+    known = (
+        "memory://, sqlite:///path, postgresql://..., redis://..., redis+cluster://..., "
+        "dynamodb://TABLE?region=..."
+    )
     raise ValueError(f"unknown ledger URL {redacted_url(url)!r}: expected one of {known}")
 
 

@@ -62,6 +62,7 @@ class MemoryStore:
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.claim`."""
         with self._changed:
@@ -81,6 +82,7 @@ class MemoryStore:
                 lease=lease,
                 now=now,
                 fence=fence,
+                args=args,
             )
             self._records[(namespace, key)] = record
             self._changed.notify_all()
@@ -153,6 +155,16 @@ class MemoryStore:
             for k in dead:
                 del self._records[k]
             return len(dead)
+
+    def expired(self, namespace: str | None = None) -> list[Record]:
+        """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
+        with self._changed:
+            now = self._clock()
+            return [
+                r
+                for (ns, _), r in self._records.items()
+                if (namespace is None or ns == namespace) and not is_live(r, now)
+            ]
 
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`."""

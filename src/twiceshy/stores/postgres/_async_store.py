@@ -197,8 +197,18 @@ class AsyncPostgresStore(Configured):
                 raise unreachable(self._settings.where, exc) from exc
             async with conn:
                 # A lost probe connection is not retried: the error goes up.
+                server = await _drive(
+                    _ops.inspect_op(self._st, conn.info.backend_pid),
+                    lambda step: _fetch(conn, step),
+                )
+                self._judge(server)
                 await _drive(
-                    _ops.schema_op(self._st, self._settings.where, create=self._create),
+                    _ops.schema_op(
+                        self._st,
+                        self._settings.where,
+                        create=self._create,
+                        configure=not self._pooled,
+                    ),
                     lambda step: _fetch(conn, step),
                 )
             self._schema_ready = True
@@ -210,7 +220,10 @@ class AsyncPostgresStore(Configured):
 
         async def setup(conn: _Conn) -> None:
             conns.add(conn)
-            await conn.execute(configure)
+            if self._pooled:  # read when the connection is made: after the first look
+                conn.prepare_threshold = None  # see PostgresStore._new_pool
+            else:
+                await conn.execute(configure)
 
         s = self._settings
         pool: _Pool = AsyncConnectionPool(s.conninfo, configure=setup, **s.pool_options())
@@ -282,7 +295,7 @@ class AsyncPostgresStore(Configured):
             return await self._execute(state.pool, command)
 
         try:
-            if state.task is None or state.task.done():
+            if self._listens and (state.task is None or state.task.done()):
                 state.task = asyncio.get_running_loop().create_task(
                     listen(
                         self._settings,
@@ -307,6 +320,10 @@ class AsyncPostgresStore(Configured):
     async def purge_expired(self, namespace: str | None = None) -> int:
         """See :meth:`twiceshy.stores.Store.purge_expired`."""
         return await self._run(_ops.purge_op(self._st, self._now, namespace))
+
+    async def expired(self, namespace: str | None = None) -> list[Record]:
+        """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
+        return await self._run(_ops.expired_op(self._st, self._now, namespace))
 
     async def close(self) -> None:
         """Close this loop's pool and listener (idempotent).

@@ -116,9 +116,11 @@ class Rhythm:
 class Listener:
     """The blocking store's LISTEN connection and thread, waking the store's waiters."""
 
-    def __init__(self, settings: Settings, listen: bytes) -> None:
+    def __init__(self, settings: Settings, listen: bytes, *, listening: bool = True) -> None:
         self._settings = settings
         self._listen = listen
+        #: Whether to LISTEN at all: without it the registry only serves this process's writes.
+        self._listening = listening
         self._lock = threading.Lock()
         self._waiters: Waiters[threading.Event] = Waiters()
         self._closed = False
@@ -135,7 +137,7 @@ class Listener:
             if self._closed:
                 raise closed()
             self._waiters.add(payload, event)
-            if self._thread is None or not self._thread.is_alive():
+            if self._listening and (self._thread is None or not self._thread.is_alive()):
                 self._wake_r, self._wake_w = socket.socketpair()
                 self._thread = threading.Thread(
                     target=self._run, name="twiceshy-postgres-listener", daemon=True

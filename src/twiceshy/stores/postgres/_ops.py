@@ -56,6 +56,7 @@ class ClaimArgs(TypedDict):
     effect: Effect
     owner: str
     lease: float
+    args: NotRequired[str | None]
 
 
 class RecordsFilter(TypedDict):
@@ -70,7 +71,7 @@ class RecordsFilter(TypedDict):
 
 
 def record_of(cols: Sequence[Any]) -> Record | None:
-    """A record from the 16 columns in Record's field order; ``None`` for an absent row."""
+    """A record from the 17 columns in Record's field order; ``None`` for an absent row."""
     if cols[0] is None:
         return None
     try:
@@ -91,6 +92,7 @@ def record_of(cols: Sequence[Any]) -> Record | None:
             cols[13],
             cols[14],
             cols[15],
+            cols[16],
         )
     except (KeyError, TypeError) as exc:
         raise StoreError(
@@ -204,10 +206,32 @@ def retrying(make: Callable[[], Step]) -> Generator[Step, Rows, Rows]:
         return (yield make())
 
 
-def schema_op(st: Statements, where: str, *, create: bool) -> Op[None]:
+@dataclass(frozen=True, slots=True)
+class Server:
+    """What a store learns of the server when it opens (see :func:`inspect_op`)."""
+
+    #: A connection pooler answers in the server's place (PgBouncer or another).
+    pooled: bool
+    #: The isolation level of a statement that sets none (``default_transaction_isolation``).
+    isolation: str
+
+
+def inspect_op(st: Statements, given_pid: int) -> Op[Server]:
+    """Ask who answers: ``given_pid`` is the backend pid the connection was given at its start.
+
+    PostgreSQL gives a connection its own process's pid; a pooler gives its own made-up one,
+    which no server process has.
+    """
+    rows = yield Step(st.inspect)
+    pid, isolation = rows[0]
+    return Server(pooled=int(pid) != given_pid, isolation=str(isolation))
+
+
+def schema_op(st: Statements, where: str, *, create: bool, configure: bool = True) -> Op[None]:
     """Check the ledger's tables (creating or migrating them as needed) on a fresh connection."""
-    # The probe connection is configured as the pooled ones are.
-    yield Step(st.configure, rows=False)
+    if configure:
+        # The probe connection is configured as the pooled ones are.
+        yield Step(st.configure, rows=False)
     names = st.names
     rows = yield Step(
         st.exists, {"meta": names["meta"], "t": names["t"], "counts": names["counts"]}
@@ -224,6 +248,10 @@ def schema_op(st: Statements, where: str, *, create: bool) -> Op[None]:
     found = rows[0][0] if rows else None
     if found == "1":
         yield Step(st.migrate_1_2, rows=False)
+        rows = yield Step(st.version)
+        found = rows[0][0] if rows else None
+    if found == "2":
+        yield Step(st.migrate_2_3, rows=False)
         rows = yield Step(st.version)
         found = rows[0][0] if rows else None
     if found != str(SCHEMA_VERSION):
@@ -244,6 +272,7 @@ def claim_op(
     effect: Effect,
     owner: str,
     lease: float,
+    args: str | None = None,
 ) -> Op[Snapshot]:
     """Claim in one statement; run it again when a racing claimer or a lost reply leaves doubt."""
     params = {
@@ -254,6 +283,7 @@ def claim_op(
         "effect": effect.value,
         "owner": owner,
         "lease": float(lease),
+        "args": args,
     }
     lost = False
     for _ in range(ROUNDS):
@@ -336,6 +366,13 @@ def records_op(
         "limit": None if limit is None else max(limit, 0),
     }
     rows = yield from retrying(lambda: Step(st.records, {**params, "now": now()}))
+    found = [record_of(row) for row in rows]
+    return [r for r in found if r is not None]
+
+
+def expired_op(st: Statements, now: Now, namespace: str | None) -> Op[list[Record]]:
+    """The outcomes past their retention, which ``purge_op`` would delete now."""
+    rows = yield from retrying(lambda: Step(st.expired, {"namespace": namespace, "now": now()}))
     found = [record_of(row) for row in rows]
     return [r for r in found if r is not None]
 

@@ -2,7 +2,9 @@
 
 :class:`Configured` takes the constructor's arguments for both store classes (they are
 documented on :class:`~twiceshy.stores.postgres.PostgresStore`), so that the blocking and the
-async store are configured by one piece of code; each then opens what it needs in ``_start``.
+async store are configured by one piece of code; each then opens what it needs in ``_start``,
+and both judge alike what they learn of the server (:meth:`Configured._judge`): a connection
+pooler in front of it changes how connections are set up and how waiters wake.
 :class:`Settings` turns those arguments into psycopg's connection and pool parameters.
 """
 
@@ -16,7 +18,8 @@ from typing import Any, Final
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ._ops import Now
+from ...errors import StoreError
+from ._ops import Now, Server
 from ._sql import Statements
 
 # libpq's TCP settings for every connection whose URL does not set its own. Without them a
@@ -32,6 +35,10 @@ TCP_DEFAULTS: Final[Mapping[str, int]] = {
     "tcp_user_timeout": 30_000,
 }
 
+#: How waiters learn that a record settled: ``LISTEN`` (refused behind a pooler unless asked for
+#: by name), ``LISTEN`` in any case, or re-reads with backoff only.
+WAKEUPS: Final = ("auto", "listen", "poll")
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -46,6 +53,7 @@ class Settings:
     max_size: int
     connect_timeout: float
     recheck: float
+    wakeups: str
     #: ``host:port/dbname``, for messages (never the password).
     where: str
 
@@ -61,10 +69,13 @@ class Settings:
         connect_timeout: float,
         application_name: str,
         wait_recheck: float,
+        wakeups: str,
     ) -> Settings:
         """Check the arguments and derive the connection parameters."""
         if min_size < 0 or max_size < max(min_size, 1):
             raise ValueError("need 0 <= min_size <= max_size and max_size >= 1")
+        if wakeups not in WAKEUPS:
+            raise ValueError(f"wakeups= must be one of {', '.join(WAKEUPS)}, not {wakeups!r}")
         if connect_timeout <= 0 or wait_recheck <= 0:
             raise ValueError("connect_timeout= and wait_recheck= must be positive")
         try:
@@ -91,6 +102,7 @@ class Settings:
             max_size=max_size,
             connect_timeout=float(connect_timeout),
             recheck=float(wait_recheck),
+            wakeups=wakeups,
             where=where,
         )
 
@@ -134,6 +146,7 @@ class Configured:
         connect_timeout: float = 5.0,
         application_name: str = "twiceshy",
         wait_recheck: float = 1.0,
+        wakeups: str = "auto",
         create: bool = True,
     ) -> None:
         self._settings = Settings.make(
@@ -145,10 +158,13 @@ class Configured:
             connect_timeout=connect_timeout,
             application_name=application_name,
             wait_recheck=wait_recheck,
+            wakeups=wakeups,
         )
         self._st = Statements.build(schema, table)
         self._now = clock_fn(clock)
         self._closed = False
+        #: A pooler answers in the server's place: no session settings, no prepared statements.
+        self._pooled = False
         self._start(create=create)
 
     def __repr__(self) -> str:
@@ -157,3 +173,39 @@ class Configured:
     def _start(self, *, create: bool) -> None:
         """Open what the store needs; ``create`` as in the constructor."""
         raise NotImplementedError
+
+    @property
+    def _listens(self) -> bool:
+        """Whether waiters are woken by ``LISTEN`` (else they re-read with backoff only)."""
+        return self._settings.wakeups != "poll"
+
+    def _judge(self, server: Server) -> None:
+        """Take in what the first connection learnt of the server, or refuse to open.
+
+        Behind a pooler in transaction mode each statement may run on another server connection:
+        a session's ``LISTEN`` hears nothing (waiters would never be woken), a ``SET`` at connect
+        reaches one server connection (and other clients' transactions), and a prepared
+        statement is missing on the next. So ``LISTEN`` is refused unless the URL says how to
+        wake (``wakeups=poll``, or ``wakeups=listen`` for a pooler in session mode), and the
+        isolation level the statements rely on must be the server's default.
+        """
+        if not server.pooled:
+            return
+        s = self._settings
+        if s.wakeups == "auto":
+            raise StoreError(
+                f"PostgreSQL ledger at {s.where}: its connections go through a connection "
+                "pooler (PgBouncer or another: the server process that answers is not the one "
+                "the connection was given), and a pooler in transaction mode does not carry "
+                "LISTEN, so waiters would never be woken. Add wakeups=poll to the ledger URL "
+                "(waiters then re-read the record with backoff), or wakeups=listen if the "
+                "pooler gives each client a server connection of its own (session mode)."
+            )
+        if server.isolation != "read committed":
+            raise StoreError(
+                f"PostgreSQL ledger at {s.where}: the server's default_transaction_isolation "
+                f"is {server.isolation!r}, and through a connection pooler the ledger cannot "
+                "set it per connection. Set it to 'read committed' for the ledger's role "
+                "(ALTER ROLE ... SET default_transaction_isolation = 'read committed')."
+            )
+        self._pooled = True

@@ -17,14 +17,15 @@ from psycopg import sql
 
 from ..._records import FINAL_STATES, Effect, State
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """The table layout this version reads. Version 1 had the listing index on (namespace,
 created_at), which the planner could pick for a key lookup on a young table (scanning the whole
-namespace); version 2 lists by (created_at) alone, so only the primary key serves a lookup."""
+namespace); version 2 lists by (created_at) alone, so only the primary key serves a lookup;
+version 3 adds the column of each call's arguments (``args``)."""
 
 _COLUMNS: Final = (
     "namespace, key, fingerprint, tool, effect, state, fence, owner, lease_deadline, attempts, "
-    "result, error, reason, created_at, updated_at, expires_at"
+    "result, error, reason, created_at, updated_at, expires_at, args"
 )
 _STATE_VALUES: Final = ", ".join(f"'{s.value}'" for s in State)
 _EFFECT_VALUES: Final = ", ".join(f"'{e.value}'" for e in Effect)
@@ -80,6 +81,7 @@ CREATE TABLE IF NOT EXISTS {{t}} (
     created_at     double precision NOT NULL,
     updated_at     double precision NOT NULL,
     expires_at     double precision,
+    args           text,
     PRIMARY KEY (namespace, key)
 );
 CREATE INDEX IF NOT EXISTS {{by_time}} ON {{t}} (created_at);
@@ -108,6 +110,16 @@ UPDATE {{meta}} SET value = '2' WHERE name = 'schema_version' AND value = '1';
 COMMIT;
 """
 
+# Version 2 to 3: the column of each call's arguments, NULL in the records made before (adding
+# a nullable column without a default rewrites nothing).
+_MIGRATE_2_3: Final = f"""
+BEGIN ISOLATION LEVEL READ COMMITTED;
+SELECT pg_advisory_xact_lock({_SCHEMA_LOCK});
+ALTER TABLE {{t}} ADD COLUMN IF NOT EXISTS args text;
+UPDATE {{meta}} SET value = '3' WHERE name = 'schema_version' AND value = '2';
+COMMIT;
+"""
+
 # Claim in one statement. ``cur`` reads the key's record in the statement's snapshot; only when
 # it shows no live record is the INSERT attempted, so a replay is a plain read (no row lock, no
 # transaction id, no WAL). The conflict clause replaces a record only when it is past its
@@ -121,7 +133,8 @@ cur AS (
 ins AS (
     INSERT INTO {{t}} AS t ({_COLUMNS})
     SELECT %(namespace)s, %(key)s, %(fingerprint)s, %(tool)s, %(effect)s, {_CLAIMED}, 1,
-           %(owner)s, c.now + %(lease)s::float8, 1, NULL, NULL, NULL, c.now, c.now, NULL
+           %(owner)s, c.now + %(lease)s::float8, 1, NULL, NULL, NULL, c.now, c.now, NULL,
+           %(args)s::text
     FROM c
     WHERE NOT EXISTS (SELECT FROM cur WHERE cur.expires_at IS NULL OR cur.expires_at > c.now)
     ON CONFLICT (namespace, key) DO UPDATE SET
@@ -138,7 +151,8 @@ ins AS (
         reason         = NULL,
         created_at     = excluded.created_at,
         updated_at     = excluded.updated_at,
-        expires_at     = NULL
+        expires_at     = NULL,
+        args           = excluded.args
     WHERE t.expires_at IS NOT NULL AND t.expires_at <= excluded.created_at
     RETURNING {_COLUMNS}
 )
@@ -205,6 +219,17 @@ ORDER BY created_at DESC, key
 LIMIT %(limit)s::bigint
 """
 
+# What _PURGE would delete, read only (``gc --dry-run``).
+_EXPIRED: Final = f"""
+WITH {_NOW}
+SELECT {_COLUMNS} FROM {{t}}, c
+WHERE expires_at IS NOT NULL
+  AND expires_at <= c.now
+  AND state IN ({_FINAL_VALUES})
+  AND (%(namespace)s::text IS NULL OR namespace = %(namespace)s::text)
+ORDER BY namespace, expires_at, key
+"""
+
 _PURGE: Final = f"""
 WITH {_NOW},
 d AS (
@@ -230,8 +255,15 @@ _COUNTS: Final = "SELECT tool, outcome, count FROM {counts} WHERE namespace = %(
 
 _LISTEN: Final = "LISTEN {channel}"
 
+# Who answers, asked once when a store opens: the pid of the server process behind this
+# statement (a pooler hands out its own pid when the connection starts, so the two differ
+# behind one), and the isolation level the statements get when they set none.
+_INSPECT: Final = "SELECT pg_backend_pid(), current_setting('default_transaction_isolation')"
+
 # The statements above rely on READ COMMITTED (a conflicting row is re-checked at its latest
 # version); a server whose default is stricter would answer serialization failures instead.
+# A session setting: never sent through a pooler (another client's transactions would get it,
+# and the next statement may run on a server connection that never had it).
 _CONFIGURE: Final = "SET default_transaction_isolation TO 'read committed'"
 
 
@@ -249,13 +281,16 @@ class Statements:
     create: bytes
     version: bytes
     migrate_1_2: bytes
+    migrate_2_3: bytes
     claim: bytes
     write: bytes
     get: bytes
     records: bytes
     purge: bytes
+    expired: bytes
     listen: bytes
     configure: bytes
+    inspect: bytes
     add_counts: bytes
     counts: bytes
     channel: str
@@ -297,13 +332,16 @@ class Statements:
             create=render(_CREATE, bound=False),
             version=render(_SELECT_VERSION, bound=False),
             migrate_1_2=render(_MIGRATE_1_2, bound=False),
+            migrate_2_3=render(_MIGRATE_2_3, bound=False),
             claim=render(_CLAIM),
             write=render(_WRITE),
             get=render(_GET),
             records=render(_RECORDS),
             purge=render(_PURGE),
+            expired=render(_EXPIRED),
             listen=render(_LISTEN, bound=False),
             configure=render(_CONFIGURE, bound=False),
+            inspect=render(_INSPECT, bound=False),
             add_counts=render(_ADD_COUNTS),
             counts=render(_COUNTS),
             channel=channel,

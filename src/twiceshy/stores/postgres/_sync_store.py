@@ -74,13 +74,19 @@ class PostgresStore(Configured):
         application_name: the ``application_name`` of every connection of this store, unless
             ``url`` names its own.
         wait_recheck: how often a waiter reads the record again even without a notification.
+        wakeups: how waiters learn that a record settled: ``"auto"`` (``LISTEN``, refused
+            behind a connection pooler), ``"poll"`` (no ``LISTEN`` connection: waiters re-read
+            with backoff, as behind PgBouncer in transaction mode) or ``"listen"`` (``LISTEN``
+            even behind a pooler, for one in session mode).
         create: create the schema and tables where there are none; ``False`` to open only a
             ledger that exists (a version 1 ledger is still migrated, as on every open).
 
     Raises:
         StoreUnavailable: the server cannot be reached.
         LedgerNotFound: with ``create=False``, the schema holds no such ledger.
-        StoreError: the table is not a twiceshy ledger this version can use.
+        StoreError: the table is not a twiceshy ledger this version can use; or a pooler
+            answers and ``wakeups`` does not say how waiters are woken (see
+            "Connection poolers" in docs/stores/postgres.md).
         ValueError: a setting is out of range.
     """
 
@@ -94,19 +100,31 @@ class PostgresStore(Configured):
             raise unreachable(self._settings.where, exc) from exc
         with probe:
             # A lost probe connection is not retried: the error goes up.
+            server = _drive(
+                _ops.inspect_op(self._st, probe.info.backend_pid), lambda step: _fetch(probe, step)
+            )
+            self._judge(server)
             _drive(
-                _ops.schema_op(self._st, self._settings.where, create=create),
+                _ops.schema_op(
+                    self._st, self._settings.where, create=create, configure=not self._pooled
+                ),
                 lambda step: _fetch(probe, step),
             )
         self._pid = os.getpid()
         self._pool = self._new_pool()
-        self._listener = Listener(self._settings, self._st.listen)
+        self._listener = Listener(self._settings, self._st.listen, listening=self._listens)
 
     def _new_pool(self) -> _Pool:
         configure = self._st.configure
+        pooled = self._pooled
 
         def setup(conn: psycopg.Connection[TupleRow]) -> None:
-            conn.execute(configure)
+            if pooled:
+                # Behind a pooler the next statement may meet another server connection,
+                # which has none of this one's prepared statements.
+                conn.prepare_threshold = None
+            else:
+                conn.execute(configure)
 
         s = self._settings
         pool: _Pool = ConnectionPool(s.conninfo, configure=setup, **s.pool_options())
@@ -128,7 +146,9 @@ class PostgresStore(Configured):
                     # are kept referenced so that collecting them does nothing either.
                     self._abandoned += [self._pool, self._listener]
                     self._pool = self._new_pool()
-                    self._listener = Listener(self._settings, self._st.listen)
+                    self._listener = Listener(
+                        self._settings, self._st.listen, listening=self._listens
+                    )
                     self._pid = os.getpid()
         return self._pool, self._listener
 
@@ -170,6 +190,7 @@ class PostgresStore(Configured):
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.claim`. One round trip, a replay included."""
         # Spelled out, not ``**args: Unpack[ClaimArgs]`` as in the async store: on this hot
@@ -185,6 +206,7 @@ class PostgresStore(Configured):
                 effect=effect,
                 owner=owner,
                 lease=lease,
+                args=args,
             )
         )
 
@@ -204,7 +226,8 @@ class PostgresStore(Configured):
         """See :meth:`twiceshy.stores.Store.wait`.
 
         Wakes on the ``NOTIFY`` of the write that settles the record; reads it again every
-        ``wait_recheck`` seconds regardless, and polls while no listener is connected.
+        ``wait_recheck`` seconds regardless, and polls while no listener is connected (always,
+        with ``wakeups="poll"``; a write of this process wakes its waiters at once).
         """
         deadline = time.monotonic() + max(timeout, 0.0)
         if timeout <= 0:
@@ -246,6 +269,10 @@ class PostgresStore(Configured):
     def purge_expired(self, namespace: str | None = None) -> int:
         """See :meth:`twiceshy.stores.Store.purge_expired`."""
         return self._run(_ops.purge_op(self._st, self._now, namespace))
+
+    def expired(self, namespace: str | None = None) -> list[Record]:
+        """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
+        return self._run(_ops.expired_op(self._st, self._now, namespace))
 
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`: one statement."""

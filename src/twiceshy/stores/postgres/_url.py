@@ -17,6 +17,7 @@ _URL_OPTIONS: Final = {
     "connect_timeout": float,
     "application_name": str,
     "wait_recheck": float,
+    "wakeups": str,
 }
 
 
@@ -46,8 +47,9 @@ def open_postgres(url: str, *, create: bool = True) -> tuple[PostgresStore, Asyn
     """Open the stores a ``postgresql://`` (or ``postgres://``) URL names.
 
     Besides psycopg's own parameters the URL may carry ``schema``, ``table``, ``min_size``,
-    ``max_size``, ``connect_timeout``, ``application_name`` and ``wait_recheck``, e.g.
-    ``postgresql://app@db.internal/agents?schema=ledger&table=records``.
+    ``max_size``, ``connect_timeout``, ``application_name``, ``wait_recheck`` and ``wakeups``,
+    e.g. ``postgresql://app@db.internal/agents?schema=ledger&table=records``, or through
+    PgBouncer ``postgresql://app@pgbouncer:6432/agents?wakeups=poll``.
 
     Args:
         url: the ledger URL.
@@ -66,4 +68,5 @@ def open_postgres(url: str, *, create: bool = True) -> tuple[PostgresStore, Asyn
     store = PostgresStore(conninfo, create=create, **options)
     twin = AsyncPostgresStore(conninfo, create=create, **options)
     twin._schema_ready = True  # the blocking store has just checked the table
+    twin._pooled = store._pooled  # and what answers
     return store, twin

@@ -3,7 +3,8 @@ the blocking client and the subscriber.
 
 :class:`Core` names every record's hash and channel and builds every script's arguments (no
 I/O); its constructor opens the ledger (``PING``, the eviction policy, the scripts loaded) and
-fails fast when the server cannot be used safely.
+fails fast when the server cannot be used safely. How the clients are made — for one server
+here, for a Redis Cluster in ``_cluster.py`` — is the part a subclass replaces.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Final, cast
+from typing import Any, ClassVar, Final, TypeAlias, cast
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import redis
+import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from ..._forks import reset_in_children
@@ -34,6 +37,7 @@ log = logging.getLogger("twiceshy")
 _URL_OPTIONS: Final = frozenset(
     {"prefix", "wait_replicas", "wait_timeout", "reread_interval", "allow_eviction"}
 )
+_SECONDS: Final = frozenset({"wait_timeout", "reread_interval", "failover_wait"})
 _BOOLEANS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _SAFE_POLICY: Final = "noeviction"
 _GLOB_SPECIAL: Final = frozenset("*?[]\\")
@@ -66,11 +70,19 @@ def _num(value: float | None) -> str:
     return "" if value is None else "=" + repr(float(value))
 
 
-def split_url(url: str) -> tuple[str, dict[str, Any]]:
+SyncClient: TypeAlias = redis.Redis | RedisCluster
+"""A blocking client: of one server, or of a cluster."""
+
+AsyncClient: TypeAlias = redis.asyncio.Redis | redis.asyncio.RedisCluster
+"""An async client: of one server, or of a cluster."""
+
+
+def split_url(url: str, names: frozenset[str] = _URL_OPTIONS) -> tuple[str, dict[str, Any]]:
     """Take twiceshy's own options out of a Redis URL.
 
     Args:
         url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
+        names: the options to take out (a cluster's URL has one more).
 
     Returns:
         The URL redis-py is given, and the options as keyword arguments of :class:`RedisStore`.
@@ -84,7 +96,7 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
     kept: list[tuple[str, str]] = []
     options: dict[str, Any] = {}
     for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _URL_OPTIONS:
+        if name not in names:
             kept.append((name, value))
             continue
         if name in options:
@@ -99,7 +111,7 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
             continue
         try:
             options[name] = int(value) if name == "wait_replicas" else value
-            if name in ("wait_timeout", "reread_interval"):
+            if name in _SECONDS:
                 options[name] = float(value)
         except ValueError:
             raise ValueError(f"Redis ledger URL option {name}={value!r} is not a number") from None
@@ -132,7 +144,17 @@ def _eviction_policy(client: redis.Redis) -> tuple[str | None, str]:
 
 
 class Core:
-    """What a store and its twin share: settings, key layout, the sync client, the subscriber."""
+    """What a store and its twin share: settings, key layout, the sync client, the subscriber.
+
+    The clients are made by :meth:`open_client`, :meth:`async_client` and
+    :meth:`pubsub_connection`, and the servers to check by :meth:`servers`: those of one server
+    here; ``ClusterCore`` makes a cluster's.
+    """
+
+    #: The query options of a URL of this kind that are twiceshy's.
+    url_options: ClassVar[frozenset[str]] = _URL_OPTIONS
+    #: How a URL with twiceshy's options in it is opened (for the error saying so).
+    opener: ClassVar[str] = "RedisStore.from_url() or open_redis()"
 
     def __init__(
         self,
@@ -146,11 +168,12 @@ class Core:
         reread_interval: float | timedelta,
         client_name: str | None,
         allow_eviction: bool,
+        failover_wait: float | timedelta = 0.0,
     ) -> None:
-        if set(dict(parse_qsl(urlsplit(url).query))) & _URL_OPTIONS:
+        if set(dict(parse_qsl(urlsplit(url).query))) & self.url_options:
             raise ValueError(
                 f"{redacted_url(url)!r} carries twiceshy options: open it with "
-                "RedisStore.from_url() or open_redis(), or pass them as keyword arguments"
+                f"{self.opener}, or pass them as keyword arguments"
             )
         if "{" in prefix or "}" in prefix:
             raise ValueError(f"a Redis ledger prefix must not contain braces: {prefix!r}")
@@ -171,37 +194,76 @@ class Core:
             raise ValueError(
                 "wait_timeout= must be shorter than socket_timeout= when wait_replicas= is set"
             )
-        # How long Redis keeps an outcome's hash past its expires_at: the second attempt of a
+        # How long a call goes on trying while a cluster fails over (0: once more, at once).
+        self.failover_wait = _seconds(failover_wait, "failover_wait")
+        # How long Redis keeps an outcome's hash past its expires_at: the last attempt of a
         # write whose reply was lost comes at most one socket_timeout (the lost answer) plus one
-        # (a new connection) after the first, and must still find the write it recognises.
-        self.expiry_grace = 2 * self.socket_timeout + 1.0
+        # (a new connection) after the first — plus failover_wait on a cluster — and must still
+        # find the write it recognises.
+        self.expiry_grace = 2 * self.socket_timeout + 1.0 + self.failover_wait
         self.client_name = client_name
         self.allow_eviction = allow_eviction
         self.closed = False
         self._lock = threading.Lock()
         self._subscriber: Subscriber | None = None
         reset_in_children(self)
-        self.pool = redis.ConnectionPool.from_url(url, **self.connection_options(Retry))
-        self.client = redis.Redis(connection_pool=self.pool)
         try:
+            self.client: SyncClient = self.open_client()
             self.client.ping()
-            self._check_eviction(*_eviction_policy(self.client))
-            for lua in SCRIPTS:
-                self.client.script_load(lua.text)
+            for node, server in self.servers():
+                self._check_eviction(node, *_eviction_policy(server))
+            self.load_scripts()
         except EvictionPolicyRefused:
-            self.pool.disconnect()
+            self.disconnect()
             raise
-        except (RedisError, OSError) as exc:
-            self.pool.disconnect()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self.disconnect()
             raise store_error(f"open {self.safe_url}", exc) from exc
         except TypeError as exc:
             # redis-py hands a query parameter it does not know to its connection class, which
             # refuses it when the first connection is made.
-            self.pool.disconnect()
+            self.disconnect()
             raise ValueError(f"Redis ledger URL {self.safe_url}: {exc}") from None
 
-    def _check_eviction(self, policy: str | None, why: str) -> None:
-        """Refuse a server that may evict records, unless ``allow_eviction`` accepts it."""
+    # -- the clients (ClusterCore makes a cluster's) ---------------------------------------------
+
+    def open_client(self) -> SyncClient:
+        """The blocking client every store call goes through."""
+        self.pool = redis.ConnectionPool.from_url(self.url, **self.connection_options(Retry))
+        return redis.Redis(connection_pool=self.pool)
+
+    def servers(self) -> list[tuple[str, redis.Redis]]:
+        """Every server whose eviction policy is checked, each with its name for messages."""
+        return [("", cast(redis.Redis, self.client))]
+
+    def load_scripts(self) -> None:
+        """Load every script, so that a first call pays no ``NOSCRIPT`` detour."""
+        for lua in SCRIPTS:
+            self.client.script_load(lua.text)
+
+    def pubsub_connection(self) -> PubSubConnection:
+        """A new connection for the subscriber (not yet connected)."""
+        pool = self.pool
+        return cast(PubSubConnection, pool.connection_class(**pool.connection_kwargs))
+
+    def async_client(self) -> AsyncClient:
+        """A new async client, for one event loop."""
+        pool = redis.asyncio.ConnectionPool.from_url(
+            self.url, **self.connection_options(AsyncRetry)
+        )
+        return redis.asyncio.Redis.from_pool(pool)
+
+    def disconnect(self) -> None:
+        """Close the blocking client's connections."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.disconnect()
+
+    def _check_eviction(self, node: str, policy: str | None, why: str) -> None:
+        """Refuse a server that may evict records, unless ``allow_eviction`` accepts it.
+
+        ``node`` names the server among a cluster's ("" for the only one).
+        """
         if policy == _SAFE_POLICY:
             return
         consequence = (
@@ -217,16 +279,17 @@ class Core:
                 "maxmemory-policy noeviction in redis.conf to keep it across restarts (on "
                 "managed Redis, in the server's parameters)"
             )
+        where = self.safe_url + (f" (node {node})" if node else "")
         if self.allow_eviction:
             log.warning(
                 "Redis ledger %s: %s, and allow_eviction=1 accepts it: %s.",
-                self.safe_url,
+                where,
                 risk,
                 consequence,
             )
             return
         raise EvictionPolicyRefused(
-            f"Redis ledger {self.safe_url}: {risk}; {consequence}. {remedy}; or add "
+            f"Redis ledger {where}: {risk}; {consequence}. {remedy}; or add "
             "allow_eviction=1 to the ledger URL to accept the risk."
         )
 
@@ -332,11 +395,7 @@ class Core:
         with self._lock:
             self.check_open()
             if self._subscriber is None:
-                pool = self.pool
-
-                def connect() -> PubSubConnection:
-                    return cast(PubSubConnection, pool.connection_class(**pool.connection_kwargs))
-
+                connect = self.pubsub_connection
                 self._subscriber = Subscriber(connect, "twiceshy-redis-subscriber")
             return self._subscriber
 
@@ -349,4 +408,4 @@ class Core:
         if subscriber is not None:
             subscriber.close(self.socket_timeout + 1.0)
         self.client.close()
-        self.pool.disconnect()
+        self.disconnect()

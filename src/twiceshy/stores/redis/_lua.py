@@ -60,7 +60,7 @@ CLAIM_SCRIPT: Final = (
 -- Claim a key, or answer its live record unchanged.
 -- KEYS[1]: the record's hash.
 -- ARGV: [1] clock ("" = TIME), [2] namespace, [3] key, [4] fingerprint, [5] tool,
---       [6] effect, [7] owner, [8] lease (seconds).
+--       [6] effect, [7] owner, [8] lease (seconds), [9] the call's arguments (absent: none).
 -- A live record is answered as it is, won when it is CLAIMED by this owner (a retry of a claim
 -- whose reply was lost). A missing or expired one is replaced by a fresh CLAIMED record: fence 1,
 -- or the expired record's fence + 1. Claims never carry a TTL.
@@ -77,11 +77,16 @@ if f ~= nil then
   redis.call('DEL', KEYS[1])
 end
 -- The hash was deleted or never existed: these fields are the whole record.
-return reply('1', now, hset(KEYS[1], {
+local fields = {
   'namespace', ARGV[2], 'key', ARGV[3], 'fingerprint', ARGV[4], 'tool', ARGV[5],
   'effect', ARGV[6], 'state', 'claimed', 'fence', int(fence), 'owner', ARGV[7],
   'lease_deadline', num(now + tonumber(ARGV[8])), 'attempts', '1',
-  'created_at', num(now), 'updated_at', num(now)}))
+  'created_at', num(now), 'updated_at', num(now)}
+if ARGV[9] ~= nil then
+  fields[#fields + 1] = 'args'
+  fields[#fields + 1] = ARGV[9]
+end
+return reply('1', now, hset(KEYS[1], fields))
 """
 )
 """Claim-or-return in one round trip (see the KEYS/ARGV contract in its text)."""

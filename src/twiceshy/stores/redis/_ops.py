@@ -1,12 +1,13 @@
 """The Redis ledger's operations, each written once as a generator of the steps it needs.
 
 An operation yields a step — one command (a tuple, as ``execute_command`` takes it), a
-:class:`Batch` of commands sent in one round trip, or a :class:`Pause` on a waiter's event — and
-is sent the step's answer, or has the step's error thrown into it. It decides everything else:
-which script, what to send again after a lost reply, when a waiter reads and how long it sleeps,
+:class:`Batch` of commands sent in one round trip, a :class:`Scan` of the keyspace, a
+:class:`Pause` on a waiter's event or a :class:`Sleep` — and is sent the step's answer, or has
+the step's error thrown into it. It decides everything else: which script, what to send again
+after a lost reply or during a cluster's failover, when a waiter reads and how long it sleeps,
 how an error is told. The blocking and async stores only carry the steps to Redis and back
-(see ``_stores.py``). The one thing an operation does itself is register a waiter with the
-subscriber, a short send on its own connection.
+(see ``_stores.py``), to one server or to a cluster alike. The one thing an operation does
+itself is register a waiter with the subscriber, a short send on its own connection.
 """
 
 from __future__ import annotations
@@ -15,15 +16,23 @@ import asyncio
 import json
 import secrets
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, TypeVar
 
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..._records import Change, Effect, Record, Snapshot, State
+from ..._records import FINAL_STATES, Change, Effect, Record, Snapshot, State
 from ._core import Core
 from ._lua import CLAIM, PURGE, READ, WRITE, Lua
 from ._replies import counts as read_counts
@@ -33,6 +42,14 @@ from ._subscriber import LoopWatch, ThreadWatch
 T = TypeVar("T")
 
 _SCAN_COUNT: Final = 500
+_RETRY_FIRST: Final = 0.05  # during a failover: 50 ms between attempts, doubling to 1 s
+_RETRY_CAP: Final = 1.0
+
+# A lost connection, and what a cluster answers while it fails over or moves a slot (down,
+# try again, a redirection the client could not follow, no node for a slot): none of them says
+# the command took effect, and every command sent under _guarded is safe to send again.
+_LOST: Final = (RedisConnectionError, RedisTimeoutError)
+_FAILING_OVER: Final = (*_LOST, ClusterError, TryAgainError, AskError, RedisClusterException)
 
 Command: TypeAlias = tuple[Any, ...]
 """One Redis command and its arguments: ``("EVALSHA", sha, 1, key, ...)``."""
@@ -40,11 +57,32 @@ Command: TypeAlias = tuple[Any, ...]
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """Commands sent in one round trip (a pipeline); answered by the list of their replies."""
+    """Commands sent in one round trip (a pipeline); answered by the list of their replies.
+
+    On a cluster each command goes to the node of its key, unless ``one_connection``: then all
+    of them go, on one connection, to the primary of the first command's key (``WAIT`` counts
+    the replicas that have the writes of its own connection).
+    """
 
     commands: tuple[Command, ...]
     transaction: bool = False  # wrapped in MULTI / EXEC
     raise_on_error: bool = True  # else an error is answered in the list, in its command's place
+    one_connection: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """Every key whose name matches ``pattern``, on every primary; answered by their names."""
+
+    pattern: str
+    count: int = _SCAN_COUNT
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` (a cluster failing over); answered by ``None``."""
+
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,67 +93,64 @@ class Pause:
     seconds: float
 
 
-Step: TypeAlias = Command | Batch | Pause
+Step: TypeAlias = Command | Batch | Scan | Pause | Sleep
 Op: TypeAlias = Generator[Step, Any, T]
 
 
 def _guarded(core: Core, what: str, attempt: Callable[[], Op[T]]) -> Op[T]:
     """Run ``attempt``; after a lost connection, once more on a fresh one.
 
-    Every command sent here is safe to send again (see "Lost replies" in
+    On a cluster (``failover_wait`` > 0) the attempts go on, 50 ms apart doubling to 1 s, for
+    as long as the cluster is failing over and ``failover_wait`` has not passed since the first
+    failure. Every command sent here is safe to send again (see "Lost replies" in
     docs/stores/redis.md); redis-py's own retries are off. redis-py's errors become
     :class:`~twiceshy.StoreError`.
     """
     core.check_open()
-    try:
-        return (yield from attempt())
-    except (RedisConnectionError, RedisTimeoutError):
-        pass  # the connection was dropped: the next command gets a new one
-    except (RedisError, UnicodeError) as exc:
-        raise store_error(what, exc) from exc
-    try:
-        return (yield from attempt())
-    except (RedisError, UnicodeError) as exc:
-        raise store_error(what, exc) from exc
+    retried = False
+    give_up: float | None = None
+    delay = _RETRY_FIRST
+    while True:
+        try:
+            return (yield from attempt())
+        except _FAILING_OVER as exc:
+            if core.failover_wait <= 0:
+                if retried or not isinstance(exc, _LOST):
+                    raise store_error(what, exc) from exc
+                retried = True  # the connection was dropped: the next command gets a new one
+                continue
+            now = time.monotonic()
+            give_up = now + core.failover_wait if give_up is None else give_up
+            if now >= give_up:
+                raise store_error(what, exc) from exc
+            core.check_open()
+            yield Sleep(min(delay, give_up - now))
+            delay = min(delay * 2, _RETRY_CAP)
+        except (RedisError, UnicodeError) as exc:
+            raise store_error(what, exc) from exc
 
 
 def _script(lua: Lua, key: str, args: list[str]) -> Op[Any]:
-    """One script call; a server that lost the script (a restart) is given it again."""
+    """One script call; a server that lost the script (a restart, a promoted replica) is sent
+    its text (``EVAL``, which also keeps it for the next ``EVALSHA``)."""
     try:
         return (yield ("EVALSHA", lua.sha, 1, key, *args))
     except NoScriptError:
-        yield ("SCRIPT LOAD", lua.text)
-        return (yield ("EVALSHA", lua.sha, 1, key, *args))
+        return (yield ("EVAL", lua.text, 1, key, *args))
 
 
 def _changing(core: Core, lua: Lua, key: str, args: list[str], what: str) -> Op[Any]:
     """A script that may change the record; ``WAIT`` for replicas, in its round trip, if asked."""
     if core.wait_replicas == 0:
         return (yield from _script(lua, key, args))
-    commands = (("EVALSHA", lua.sha, 1, key, *args), ("WAIT", core.wait_replicas, core.wait_ms))
-    for attempt in (1, 2):
-        try:
-            reply, acked = yield Batch(commands)
-        except NoScriptError:
-            if attempt == 2:
-                raise
-            yield ("SCRIPT LOAD", lua.text)
-            continue
-        if snapshot(reply).won:
-            core.check_replicas(what, acked)
-        return reply
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _scan(pattern: str) -> Op[list[Any]]:
-    """The names ``SCAN`` finds in one pass over the keyspace."""
-    names: list[Any] = []
-    cursor = 0
-    while True:
-        cursor, found = yield ("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
-        names += found
-        if cursor == 0:
-            return names
+    wait = ("WAIT", core.wait_replicas, core.wait_ms)
+    try:
+        reply, acked = yield Batch((("EVALSHA", lua.sha, 1, key, *args), wait), one_connection=True)
+    except NoScriptError:
+        reply, acked = yield Batch((("EVAL", lua.text, 1, key, *args), wait), one_connection=True)
+    if snapshot(reply).won:
+        core.check_replicas(what, acked)
+    return reply
 
 
 def _batches(names: list[Any]) -> Iterable[list[Any]]:
@@ -135,14 +170,16 @@ def claim(
     effect: Effect,
     owner: str,
     lease: float,
+    args: str | None = None,
 ) -> Op[Snapshot]:
     """See :meth:`twiceshy.stores.Store.claim`: one ``EVALSHA`` of :data:`CLAIM_SCRIPT`."""
+    kept = () if args is None else (args,)
 
     def attempt() -> Op[Snapshot]:
         rec, _ = core.names(namespace, key)
         now = core.now_arg()
-        args = [now, namespace, key, fingerprint, tool, effect.value, owner, repr(float(lease))]
-        return snapshot((yield from _changing(core, CLAIM, rec, args, "claim")))
+        argv = [now, namespace, key, fingerprint, tool, effect.value, owner, repr(float(lease))]
+        return snapshot((yield from _changing(core, CLAIM, rec, [*argv, *kept], "claim")))
 
     return (yield from _guarded(core, "claim", attempt))
 
@@ -217,7 +254,7 @@ def records(
 
     def attempt() -> Op[list[Record]]:
         found: list[Record] = []
-        for batch in _batches((yield from _scan(core.pattern(namespace)))):
+        for batch in _batches((yield Scan(core.pattern(namespace)))):
             replies = yield Batch(tuple(("HGETALL", name) for name in batch), raise_on_error=False)
             found += readable(batch, replies)
         now = core.scan_now((yield ("TIME",)) if core.clock is None else None)
@@ -236,25 +273,47 @@ def purge_expired(core: Core, namespace: str | None = None) -> Op[int]:
 
     def attempt() -> Op[int]:
         count = 0
-        for batch in _batches((yield from _scan(core.pattern(namespace)))):
+        for batch in _batches((yield Scan(core.pattern(namespace)))):
             count += yield from _purge_batch(core, batch)
         return count
 
     return (yield from _guarded(core, "purge", attempt))
 
 
+def expired(core: Core, namespace: str | None = None) -> Op[list[Record]]:
+    """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`: the outcomes a purge would delete.
+
+    The same ``SCAN`` as :func:`records`; on the server's clock Redis has usually reclaimed
+    them already, so there are few.
+    """
+
+    def attempt() -> Op[list[Record]]:
+        found: list[Record] = []
+        for batch in _batches((yield Scan(core.pattern(namespace)))):
+            replies = yield Batch(tuple(("HGETALL", name) for name in batch), raise_on_error=False)
+            found += readable(batch, replies)
+        now = core.scan_now((yield ("TIME",)) if core.clock is None else None)
+        chosen = [
+            r
+            for r in found
+            if (namespace is None or r.namespace == namespace)
+            and r.state in FINAL_STATES
+            and r.expires_at is not None
+            and r.expires_at <= now
+        ]
+        chosen.sort(key=lambda r: (r.namespace, r.expires_at or 0.0, r.key))
+        return chosen
+
+    return (yield from _guarded(core, "expired", attempt))
+
+
 def _purge_batch(core: Core, names: list[Any]) -> Op[int]:
-    for attempt in (1, 2):
-        commands = tuple(("EVALSHA", PURGE.sha, 1, name, core.now_arg()) for name in names)
-        try:
-            answers = yield Batch(commands)
-        except NoScriptError:
-            if attempt == 2:
-                raise
-            yield ("SCRIPT LOAD", PURGE.text)
-            continue
-        return sum(int(n) for n in answers)
-    raise AssertionError("unreachable")  # pragma: no cover
+    now = core.now_arg()
+    try:
+        answers = yield Batch(tuple(("EVALSHA", PURGE.sha, 1, name, now) for name in names))
+    except NoScriptError:
+        answers = yield Batch(tuple(("EVAL", PURGE.text, 1, name, now) for name in names))
+    return sum(int(n) for n in answers)
 
 
 # -- the CallCounts protocol --------------------------------------------------------------------
@@ -275,7 +334,7 @@ def add_counts(core: Core, namespace: str, counts: Mapping[tuple[str, str], int]
     )
     try:
         yield Batch(commands, transaction=True)
-    except (RedisError, UnicodeError) as exc:
+    except (RedisError, RedisClusterException, UnicodeError) as exc:
         raise store_error("count", exc) from exc
 
 

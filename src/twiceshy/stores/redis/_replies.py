@@ -7,8 +7,14 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..._records import Effect, Record, Snapshot, State
@@ -50,6 +56,7 @@ def record(fields: Mapping[str, str]) -> Record:
             created_at=float(fields["created_at"]),
             updated_at=float(fields["updated_at"]),
             expires_at=_float(fields.get("expires_at")),
+            args=fields.get("args"),
         )
     except (KeyError, ValueError) as exc:
         raise StoreError(f"Redis ledger: unreadable record {dict(fields)!r}: {exc}") from exc
@@ -152,9 +159,14 @@ def counts(found: Mapping[Any, Any]) -> dict[tuple[str, str], int]:
 
 
 def store_error(what: str, exc: BaseException) -> StoreError:
-    """The :class:`~twiceshy.StoreError` for a failure of redis-py (or of text not UTF-8)."""
+    """The :class:`~twiceshy.StoreError` for a failure of redis-py (or of text not UTF-8).
+
+    A cluster that is down, failing over or moving the slot counts as unreachable.
+    """
     if isinstance(exc, RedisConnectionError | RedisTimeoutError):
         return StoreUnavailable(f"Redis ledger unreachable ({what}): {exc}")
+    if isinstance(exc, ClusterError | TryAgainError | AskError | RedisClusterException):
+        return StoreUnavailable(f"Redis cluster ledger unavailable ({what}): {exc}")
     if isinstance(exc, UnicodeError):
         return StoreError(f"Redis ledger cannot store text that is not UTF-8 ({what}): {exc}")
     return StoreError(f"Redis ledger failed ({what}): {exc}")

@@ -3,7 +3,10 @@
 Each method of :class:`RedisStore` and :class:`AsyncRedisStore` is an operation of ``_ops.py``
 carried out by a loop that sends its steps to Redis — through redis-py's blocking client, or
 the ``redis.asyncio`` client of the running event loop — and hands back each answer, or throws
-in each error. Nothing else differs between the two.
+in each error. Nothing else differs between the two. The loops serve a cluster's stores
+(:class:`RedisClusterStore`, :class:`AsyncRedisClusterStore`) too: a cluster client takes the
+same commands, and only a batch that must stay on one connection is sent another way
+(``_cluster.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, cast
 
 import redis
 import redis.asyncio
-from redis.asyncio.retry import Retry as AsyncRetry
 
 from ..._forks import reset_in_children
 from ..._records import Snapshot
 from . import _ops
-from ._core import Core, split_url
-from ._ops import Batch, Op, Step
+from ._cluster import ClusterCore, async_one_node, one_node, split_cluster_url
+from ._core import AsyncClient, Core, SyncClient, split_url
+from ._ops import Batch, Op, Scan, Sleep, Step
 from ._subscriber import LoopWatch, ThreadWatch
 
 P = ParamSpec("P")
@@ -70,23 +73,30 @@ def _resume(op: Op[T], outcome: _Outcome | None) -> Step | _Done[T]:
 # -- the blocking loop ----------------------------------------------------------------------------
 
 
-def _blocking_step(client: redis.Redis, step: Step) -> _Outcome:
+def _blocking_step(client: SyncClient, step: Step) -> _Outcome:
     # redis-py leaves some execute_commands untyped (hence the ignores): they answer Any.
     try:
         if isinstance(step, tuple):
             return client.execute_command(*step), None  # type: ignore[no-untyped-call]
         if isinstance(step, Batch):
+            if step.one_connection and not isinstance(client, redis.Redis):
+                return one_node(client, step.commands), None
             pipe = client.pipeline(transaction=step.transaction)
             for command in step.commands:
-                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+                pipe.execute_command(*command)
             return pipe.execute(raise_on_error=step.raise_on_error), None
+        if isinstance(step, Scan):
+            return list(client.scan_iter(match=step.pattern, count=step.count)), None
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+            return None, None
         # A blocking store's waiters are ThreadWatches: their events are threading.Events.
         return cast(threading.Event, step.event).wait(step.seconds), None
     except BaseException as exc:
         return None, exc
 
 
-def _run(client: redis.Redis, op: Op[T]) -> T:
+def _run(client: SyncClient, op: Op[T]) -> T:
     """Carry ``op``'s steps to Redis and their answers back, blocking; answer its result."""
     step = _resume(op, None)
     while not isinstance(step, _Done):
@@ -116,22 +126,30 @@ async def _pause(event: asyncio.Event, seconds: float) -> bool:
     return event.is_set()
 
 
-async def _async_step(client: redis.asyncio.Redis, step: Step) -> _Outcome:
+async def _async_step(client: AsyncClient, step: Step) -> _Outcome:
     try:
         if isinstance(step, tuple):
-            return await client.execute_command(*step), None  # type: ignore[no-untyped-call]
+            return await client.execute_command(*step), None
         if isinstance(step, Batch):
+            if step.one_connection and not isinstance(client, redis.asyncio.Redis):
+                return await async_one_node(client, step.commands), None
             pipe = client.pipeline(transaction=step.transaction)
             for command in step.commands:
                 pipe.execute_command(*command)
             return await pipe.execute(raise_on_error=step.raise_on_error), None
+        if isinstance(step, Scan):
+            names = client.scan_iter(match=step.pattern, count=step.count)
+            return [name async for name in names], None
+        if isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+            return None, None
         # An async store's waiters are LoopWatches: their events are asyncio.Events.
         return await _pause(cast(asyncio.Event, step.event), step.seconds), None
     except BaseException as exc:
         return None, exc
 
 
-async def _arun(client: redis.asyncio.Redis, op: Op[T]) -> T:
+async def _arun(client: AsyncClient, op: Op[T]) -> T:
     """Carry ``op``'s steps to Redis and their answers back, on the running event loop."""
     step = _resume(op, None)
     while not isinstance(step, _Done):
@@ -235,7 +253,7 @@ class RedisStore(_Opening):
     """
 
     def __repr__(self) -> str:
-        return f"RedisStore({self._core.safe_url!r}, prefix={self._core.prefix!r})"
+        return f"{type(self).__name__}({self._core.safe_url!r}, prefix={self._core.prefix!r})"
 
     @property
     def prefix(self) -> str:
@@ -251,6 +269,7 @@ class RedisStore(_Opening):
     get = _blocking(_ops.get)
     records = _blocking(_ops.records)
     purge_expired = _blocking(_ops.purge_expired)
+    expired = _blocking(_ops.expired)
     add_counts = _blocking(_ops.add_counts)
     counts = _blocking(_ops.counts)
 
@@ -273,12 +292,12 @@ class _LoopClient:
 
     __slots__ = ("client", "guard")
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: AsyncClient) -> None:
         self.client = client
         self.guard: AsyncGenerator[None, None] | None = None
 
 
-async def _close_with_loop(client: redis.asyncio.Redis) -> AsyncGenerator[None, None]:
+async def _close_with_loop(client: AsyncClient) -> AsyncGenerator[None, None]:
     """An async generator whose end closes ``client``.
 
     Event loops close the async generators started on them when they shut down
@@ -326,16 +345,16 @@ class AsyncRedisStore(_Opening):
         self._clients = {}
 
     @classmethod
-    def twin(cls, store: RedisStore) -> AsyncRedisStore:
+    def twin(cls, store: RedisStore) -> Self:
         """An async store sharing ``store``'s settings and subscriber; closed with it."""
         twin = cls.__new__(cls)
         twin._open(store._core, owns_core=False)
         return twin
 
     def __repr__(self) -> str:
-        return f"AsyncRedisStore({self._core.safe_url!r}, prefix={self._core.prefix!r})"
+        return f"{type(self).__name__}({self._core.safe_url!r}, prefix={self._core.prefix!r})"
 
-    async def _loop_client(self) -> redis.asyncio.Redis:
+    async def _loop_client(self) -> AsyncClient:
         self._core.check_open()
         loop = asyncio.get_running_loop()
         with self._clients_lock:
@@ -344,11 +363,7 @@ class AsyncRedisStore(_Opening):
                 return entry.client
             for old in [lp for lp in self._clients if lp.is_closed()]:
                 del self._clients[old]
-            core = self._core
-            pool = redis.asyncio.ConnectionPool.from_url(
-                core.url, **core.connection_options(AsyncRetry)
-            )
-            entry = self._clients[loop] = _LoopClient(redis.asyncio.Redis.from_pool(pool))
+            entry = self._clients[loop] = _LoopClient(self._core.async_client())
         guard = _close_with_loop(entry.client)
         await anext(guard)
         entry.guard = guard
@@ -359,6 +374,7 @@ class AsyncRedisStore(_Opening):
     get = _awaiting(_ops.get)
     records = _awaiting(_ops.records)
     purge_expired = _awaiting(_ops.purge_expired)
+    expired = _awaiting(_ops.expired)
 
     async def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
         """See :meth:`RedisStore.wait`."""
@@ -392,3 +408,103 @@ def open_redis(url: str) -> tuple[RedisStore, AsyncRedisStore]:
     """
     store = RedisStore.from_url(url)
     return store, AsyncRedisStore.twin(store)
+
+
+# -- a cluster's stores ---------------------------------------------------------------------------
+
+
+class _ClusterOpening(_Opening):
+    """How a cluster's stores are opened: the settings in a :class:`ClusterCore`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "twiceshy",
+        clock: Callable[[], float] | None = None,
+        socket_timeout: float | timedelta = 5.0,
+        wait_replicas: int = 0,
+        wait_timeout: float | timedelta = 1.0,
+        reread_interval: float | timedelta = 1.0,
+        client_name: str | None = None,
+        allow_eviction: bool = False,
+        failover_wait: float | timedelta = 20.0,
+    ) -> None:
+        core = ClusterCore(
+            url,
+            prefix=prefix,
+            clock=clock,
+            socket_timeout=socket_timeout,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
+            reread_interval=reread_interval,
+            client_name=client_name,
+            allow_eviction=allow_eviction,
+            failover_wait=failover_wait,
+        )
+        self._open(core)
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Callable[[], float] | None = None) -> Self:
+        """Open the store a ``redis+cluster://`` URL names, with twiceshy's options in its query.
+
+        The options of :meth:`RedisStore.from_url`, and ``failover_wait``; the rest is
+        redis-py's (``client_name``, ``socket_timeout``, ``socket_connect_timeout``,
+        ``max_connections``, ``protocol``).
+
+        Raises:
+            ValueError: an option has no valid value, or the URL names no node.
+            StoreUnavailable: no node named can be reached.
+            EvictionPolicyRefused: a node may evict records (see "Eviction").
+        """
+        cluster_url, options = split_cluster_url(url)
+        return cls(cluster_url, clock=clock, **options)
+
+
+class RedisClusterStore(_ClusterOpening, RedisStore):
+    """A :class:`~twiceshy.stores.Store` on a Redis Cluster (redis-py's ``RedisCluster``).
+
+    One record is one slot: its hash and its wake channel share a hash tag, and every script
+    touches that one key, so the cluster client sends each call to the record's primary and
+    follows ``MOVED`` and ``ASK``. The arguments are those of :class:`RedisStore`, but:
+
+    Args:
+        url: ``redis+cluster://[user[:password]@]host:port[,host:port...]``: some nodes of the
+            cluster (the client finds the others); no database (a cluster has only 0).
+        failover_wait: how long a call goes on trying, 50 ms apart doubling to 1 s, while the
+            cluster fails over or a node does not answer, before it raises
+            :class:`~twiceshy.StoreUnavailable` (every command it sends again is one the store
+            recognises; see "Failover" in docs/stores/redis.md).
+
+    Raises:
+        StoreUnavailable: no node the URL names answers within ``socket_timeout``.
+        EvictionPolicyRefused: a node, primary or replica, may evict records, and
+            ``allow_eviction`` is not set.
+        StoreError: the cluster answers, but refuses (authentication, scripts disabled...).
+        ValueError: a setting is out of range, or the URL is not a cluster's.
+    """
+
+
+class AsyncRedisClusterStore(_ClusterOpening, AsyncRedisStore):
+    """An :class:`~twiceshy.stores.AsyncStore` on a Redis Cluster (``redis.asyncio``'s cluster
+    client, one per event loop); the arguments are those of :class:`RedisClusterStore`."""
+
+    @classmethod
+    def twin(cls, store: RedisStore) -> Self:
+        """An async store sharing ``store``'s settings and subscriber; closed with it."""
+        if not isinstance(store._core, ClusterCore):
+            raise TypeError("AsyncRedisClusterStore.twin() takes a RedisClusterStore")
+        return super().twin(store)
+
+
+def open_redis_cluster(url: str) -> tuple[RedisClusterStore, AsyncRedisClusterStore]:
+    """Open the blocking and async stores a ``redis+cluster://`` URL names, sharing one
+    subscriber; closing the blocking store closes the pair.
+
+    Raises:
+        ValueError: the URL names no node, or an option has no valid value.
+        StoreUnavailable: no node named answers.
+        EvictionPolicyRefused: a node may evict records, and the URL does not accept it.
+    """
+    store = RedisClusterStore.from_url(url)
+    return store, AsyncRedisClusterStore.twin(store)

@@ -8,9 +8,10 @@ statements are in ``_sql``, a new connection's setup in ``_setup``, the file fol
 pool in ``_files``, and the store's operations in ``_store``.
 """
 
+from ._errors import LedgerDirectoryNotFound
 from ._setup import has_wal_reset_bug as has_wal_reset_bug
 from ._sql import SCHEMA as _SCHEMA  # noqa: F401 (benchmarks/ledger.py builds its floor on it)
 from ._sql import SCHEMA_VERSION as SCHEMA_VERSION
 from ._store import SQLiteStore
 
-__all__ = ["SQLiteStore"]
+__all__ = ["LedgerDirectoryNotFound", "SQLiteStore"]

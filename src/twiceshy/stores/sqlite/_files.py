@@ -22,7 +22,12 @@ from typing import Final
 
 from ...errors import LedgerNotFound, StoreError, StoreUnavailable
 from . import _sql
-from ._errors import raise_mapped, store_error
+from ._errors import (
+    LedgerDirectoryNotFound,
+    missing_directory_message,
+    raise_mapped,
+    store_error,
+)
 from ._setup import Connection, FileId, Setup, rollback_quietly
 
 FILE_MODE: Final = 0o600
@@ -68,7 +73,35 @@ class LedgerFile:
 
     # -- the file at the path ---------------------------------------------------------------
 
-    def make_directories(self) -> None:
+    def check_directory(self) -> None:
+        """Refuse a path whose directory is missing, unless it is the default ledger's.
+
+        A mistyped path must not become a second, empty ledger; the default ledger's own
+        directory (:func:`default_directory`) is made, with its missing parents.
+
+        Raises:
+            LedgerDirectoryNotFound: the directory is missing (and the store was to create).
+            LedgerNotFound: the directory is missing, with ``create=False``; nothing is made.
+            StoreUnavailable: the default ledger's directory cannot be made.
+        """
+        directory = os.path.dirname(self.where)
+        try:
+            os.stat(directory)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return  # a file in the way, no permission: opening the file says what is wrong
+        else:
+            return
+        if not self.setup.create:
+            raise LedgerNotFound(
+                missing_directory_message(self.setup.path, self.where, create=False)
+            )
+        if directory != default_directory():
+            raise LedgerDirectoryNotFound(self.setup.path, self.where)
+        self._make_directories()
+
+    def _make_directories(self) -> None:
         """Make the file's directory and its missing parents, each private to the user.
 
         ``os.makedirs`` gives its mode to the last directory only.
@@ -93,7 +126,9 @@ class LedgerFile:
                     if not os.path.isdir(directory):
                         raise
         except OSError as exc:
-            raise StoreUnavailable(f"SQLite ledger: cannot create {top!r}: {exc}") from exc
+            raise StoreUnavailable(
+                f"SQLite ledger {self.where!r}: cannot create the directory {top!r}: {exc}"
+            ) from exc
 
     def at_path(self) -> FileId | None:
         """The file now at the store's path; ``None`` when there is none."""
@@ -148,7 +183,7 @@ class LedgerFile:
             except sqlite3.Error as exc:
                 if self.at_path() != before:
                     continue  # deleted or replaced before SQLite opened it
-                raise store_error(exc) from exc
+                raise store_error(exc, self.where) from exc
             try:
                 # SQLite cannot say which file a connection opened: it is the one at the path
                 # both before and after opening, else the path changed meanwhile and this
@@ -180,7 +215,9 @@ class LedgerFile:
         except FileExistsError:
             return
         except OSError as exc:
-            raise StoreUnavailable(f"SQLite ledger: cannot create {self.where!r}: {exc}") from exc
+            raise StoreUnavailable(
+                f"SQLite ledger {self.where!r}: cannot create it: {exc}"
+            ) from exc
         os.close(fd)
 
     def _warn_replaced(self) -> None:
@@ -316,7 +353,20 @@ class Lent:
                 "used it, and the call failed; the next call uses the file now at that path, "
                 "making a ledger there if it holds none"
             ) from exc
-        raise_mapped(exc)
+        raise_mapped(exc, files.where)
+
+
+def default_directory() -> str:
+    """The default ledger's directory, which the store makes when it is missing.
+
+    The directory of :func:`twiceshy.stores.default_url`'s file when ``TWICESHY_LEDGER`` is
+    unset: ``$XDG_STATE_HOME/twiceshy``, else ``~/.local/state/twiceshy`` (the two must agree,
+    which ``tests/test_first_meeting.py`` checks).
+    """
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return os.path.abspath(os.path.join(state_home, "twiceshy"))
 
 
 def deleted_under(exc: BaseException | None) -> bool:

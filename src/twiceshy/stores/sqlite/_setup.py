@@ -143,7 +143,7 @@ class Setup:
             self.synchronous = self.synchronous_for(self.journal_mode)
             conn.execute(_sql.set_synchronous(self.synchronous))
         except sqlite3.Error as exc:
-            raise store_error(exc) from exc
+            raise store_error(exc, self.where) from exc
         if opening or tables != _sql.ALL_TABLES:
             # A file made since the store opened gets the ledger's tables here, so no statement
             # ever meets a missing table.
@@ -213,13 +213,19 @@ class Setup:
                 for statement in _sql.SCHEMA:
                     conn.execute(statement)
                 row = conn.execute(_sql.SELECT_SCHEMA_VERSION).fetchone()
+                if row is not None and row[0] == "1":
+                    # Under the write lock BEGIN took: one opener migrates, the others then
+                    # read version 2.
+                    for statement in _sql.MIGRATE_1_2:
+                        conn.execute(statement)
+                    row = (str(_sql.SCHEMA_VERSION),)
                 conn.execute(_sql.TOUCH_SCHEMA_VERSION)
                 conn.execute(_sql.COMMIT)
             except BaseException:
                 rollback_quietly(conn)
                 raise
         except sqlite3.Error as exc:
-            raise store_error(exc) from exc
+            raise store_error(exc, self.where) from exc
         found = row[0] if row is not None else None
         if found != str(_sql.SCHEMA_VERSION):
             raise StoreError(

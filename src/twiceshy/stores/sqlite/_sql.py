@@ -12,13 +12,13 @@ from typing import Any, Final
 from ..._records import FINAL_STATES, Change, Effect, Record, State
 from ...errors import StoreError
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 # -- the schema -----------------------------------------------------------------------------
 
 COLUMNS: Final = (
     "namespace, key, fingerprint, tool, effect, state, fence, owner, lease_deadline, attempts, "
-    "result, error, reason, created_at, updated_at, expires_at"
+    "result, error, reason, created_at, updated_at, expires_at, args"
 )
 
 SCHEMA: Final = (
@@ -50,6 +50,7 @@ SCHEMA: Final = (
         created_at     REAL    NOT NULL,
         updated_at     REAL    NOT NULL,
         expires_at     REAL,
+        args           TEXT,
         PRIMARY KEY (namespace, key)
     ) WITHOUT ROWID
     """,
@@ -74,6 +75,12 @@ SCHEMA: Final = (
         PRIMARY KEY (namespace, tool, outcome)
     ) WITHOUT ROWID
     """,
+)
+
+# Version 1 to 2: the column of each call's arguments (NULL in the records made before).
+MIGRATE_1_2: Final = (
+    "ALTER TABLE twiceshy_records ADD COLUMN args TEXT",
+    "UPDATE twiceshy_meta SET value = '2' WHERE name = 'schema_version'",
 )
 
 SELECT_SCHEMA_VERSION: Final = "SELECT value FROM twiceshy_meta WHERE name = 'schema_version'"
@@ -127,7 +134,7 @@ SELECT_RECORD: Final = f"""
 CLAIM: Final = f"""
     INSERT INTO twiceshy_records ({COLUMNS})
     VALUES (:namespace, :key, :fingerprint, :tool, :effect, :state, :fence, :owner,
-            :lease_deadline, :attempts, NULL, NULL, NULL, :now, :now, NULL)
+            :lease_deadline, :attempts, NULL, NULL, NULL, :now, :now, NULL, :args)
     ON CONFLICT (namespace, key) DO UPDATE SET
         fingerprint    = excluded.fingerprint,
         tool           = excluded.tool,
@@ -142,7 +149,8 @@ CLAIM: Final = f"""
         reason         = NULL,
         created_at     = excluded.created_at,
         updated_at     = excluded.updated_at,
-        expires_at     = NULL
+        expires_at     = NULL,
+        args           = excluded.args
     WHERE twiceshy_records.expires_at IS NOT NULL
       AND twiceshy_records.expires_at <= excluded.created_at
     RETURNING {COLUMNS}
@@ -198,6 +206,16 @@ PURGE: Final = f"""
       AND (:namespace IS NULL OR namespace = :namespace)
 """
 
+# What PURGE would delete, read only (``gc --dry-run``).
+EXPIRED: Final = f"""
+    SELECT {COLUMNS} FROM twiceshy_records
+    WHERE expires_at IS NOT NULL
+      AND expires_at <= :now
+      AND state IN ({_FINAL_VALUES})
+      AND (:namespace IS NULL OR namespace = :namespace)
+    ORDER BY namespace, expires_at, key
+"""
+
 # -- call counts ----------------------------------------------------------------------------
 
 ADD_COUNT: Final = """
@@ -224,6 +242,7 @@ def claim_params(fresh: Record, now: float) -> dict[str, object]:
         "lease_deadline": fresh.lease_deadline,
         "attempts": fresh.attempts,
         "now": now,
+        "args": fresh.args,
     }
 
 
@@ -313,6 +332,7 @@ def to_record(row: Sequence[Any]) -> Record:
             row[13],
             row[14],
             row[15],
+            row[16],
         )
     except (KeyError, TypeError) as exc:
         raise StoreError(f"SQLite ledger: unreadable record {row[0]!r}/{row[1]!r}: {exc}") from exc

@@ -42,8 +42,9 @@ class SQLiteStore:
     """A :class:`~twiceshy.stores.Store` in one SQLite file.
 
     Args:
-        path: the database file; its parent directory is created. New files are ``0600``,
-            new directories ``0700``.
+        path: the database file. Its directory must exist (a mistyped path must not become a
+            second ledger), except the default ledger's (``$XDG_STATE_HOME/twiceshy``, else
+            ``~/.local/state/twiceshy``), which is made ``0700``. New files are ``0600``.
         clock: the store's clock, seconds since the epoch (the wall clock by default).
         synchronous: ``PRAGMA synchronous``: ``"EXTRA"``, ``"FULL"``, ``"NORMAL"``, ``"OFF"``.
             ``None`` (the default) chooses the weakest that survives a power cut: FULL in WAL,
@@ -60,6 +61,7 @@ class SQLiteStore:
         path: the database file, as given.
 
     Raises:
+        LedgerDirectoryNotFound: the file's directory does not exist; nothing was created.
         StoreUnavailable: the file cannot be opened, created or written.
         LedgerNotFound: with ``create=False``, the path holds no twiceshy ledger.
         StoreError: the file is not a twiceshy ledger this version can use.
@@ -119,8 +121,7 @@ class SQLiteStore:
             synchronous=asked,
         )
         self._files = LedgerFile(self._setup, on_fork=self._after_fork)
-        if create:
-            self._files.make_directories()
+        self._files.check_directory()
         self._files.open()
         durable = DURABLE.get(self.journal_mode, "EXTRA")
         if SYNCHRONOUS.index(self.synchronous) < SYNCHRONOUS.index(durable):
@@ -162,6 +163,8 @@ class SQLiteStore:
 
         Raises:
             ValueError: the URL is not a ``sqlite:///path`` URL, or has unknown parameters.
+            LedgerDirectoryNotFound: the file's directory does not exist (``sqlite:///var/x.db``
+                written for ``sqlite:////var/x.db``, say); nothing was created.
             StoreUnavailable: the file cannot be opened or created.
             LedgerNotFound: with ``create=False``, the path holds no twiceshy ledger.
         """
@@ -211,6 +214,7 @@ class SQLiteStore:
         effect: Effect,
         owner: str,
         lease: float,
+        args: str | None = None,
     ) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.claim`."""
         files = self._files
@@ -235,6 +239,7 @@ class SQLiteStore:
                 owner=owner,
                 lease=lease,
                 now=now,
+                args=args,
             )
             rows = conn.execute(_sql.CLAIM, _sql.claim_params(fresh, now)).fetchall()
             inserted = bool(rows)
@@ -317,6 +322,13 @@ class SQLiteStore:
             # One statement in autocommit mode is its own transaction.
             count: int = conn.execute(_sql.PURGE, {"now": now, "namespace": namespace}).rowcount
         return count
+
+    def expired(self, namespace: str | None = None) -> list[Record]:
+        """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
+        with self._files.lend() as conn:
+            now = self._clock()
+            rows = conn.execute(_sql.EXPIRED, {"now": now, "namespace": namespace}).fetchall()
+        return [_sql.to_record(row) for row in rows]
 
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`: one write transaction."""
