@@ -25,6 +25,7 @@ import twiceshy
 from twiceshy import State
 from twiceshy.stores import Store
 from twiceshy.stores.memory import MemoryStore
+from twiceshy.testing import FakeProvider, assert_same_key, assert_took_effect_once
 
 
 @pytest.fixture
@@ -239,34 +240,33 @@ def test_keyed_ambiguous_error_is_retried_in_place_with_the_same_key(
     ledger: twiceshy.Ledger,
 ) -> None:
     """A timeout of a KEYED tool is retried with the same key; the caller gets the result."""
-    keys: list[str | None] = []
+    provider = FakeProvider(deduplicate=True)
+    provider.lose_answers(times=2)  # each takes effect (or is deduplicated), then times out
 
     @ledger.tool(effect=twiceshy.KEYED, attempts=3, backoff=no_backoff)
     def charge(amount: int) -> str:
-        keys.append(twiceshy.current_key())
-        if len(keys) < 3:
-            raise TimeoutError("read timed out")
-        return "ch_1"
+        key = twiceshy.current_key()
+        return str(provider.charge(amount, "cus_1", idempotency_key=key)["id"])
 
     with twiceshy.run("run-7"):
         assert charge(10) == "ch_1"
         assert charge(10) == "ch_1"
-    assert len(keys) == 3
-    assert len(set(keys)) == 1
+    assert len(provider.requests) == 3
+    assert_same_key(provider, key=twiceshy.idempotency_key("run-7", "charge", {"amount": 10}))
+    assert_took_effect_once(provider)
 
 
 def test_keyed_attempts_exhausted_runs_again_with_the_same_key(
     ledger: twiceshy.Ledger, store: Store
 ) -> None:
     """When attempts run out the record is UNKNOWN and the next call runs with the same key."""
-    keys: list[str | None] = []
+    provider = FakeProvider(deduplicate=True)
+    provider.lose_answers(times=2)  # both attempts of the first call lose their answer
 
     @ledger.tool(effect=twiceshy.KEYED, attempts=2, backoff=no_backoff)
     def charge(amount: int) -> str:
-        keys.append(twiceshy.current_key())
-        if len(keys) <= 2:
-            raise TimeoutError("read timed out")
-        return "ch_1"
+        key = twiceshy.current_key()
+        return str(provider.charge(amount, "cus_1", idempotency_key=key)["id"])
 
     with twiceshy.run("run-8"):
         with pytest.raises(TimeoutError):
@@ -280,7 +280,9 @@ def test_keyed_attempts_exhausted_runs_again_with_the_same_key(
     assert record is not None
     assert record.state is twiceshy.State.SUCCEEDED
     assert record.fence == 2
-    assert keys == [key, key, key]
+    assert len(provider.requests) == 3
+    assert_same_key(provider, key=key)
+    assert_took_effect_once(provider)
 
 
 def test_unsafe_ambiguous_error_is_never_rerun(ledger: twiceshy.Ledger, store: Store) -> None:
@@ -1006,7 +1008,8 @@ def test_guard_async_call_and_narrowing(ledger: twiceshy.Ledger) -> None:
 
 
 def test_settle_reconciles_a_parked_record_outside_any_call(ledger: twiceshy.Ledger) -> None:
-    """Guard.settle asks the reconciler with the key alone and records what it found."""
+    """Guard.settle asks the reconciler with the key and the arguments the record kept, and
+    records what it found."""
     asked: list[tuple[str, object]] = []
     found: dict[str, twiceshy.Happened | None] = {"answer": None}
 
@@ -1033,7 +1036,7 @@ def test_settle_reconciles_a_parked_record_outside_any_call(ledger: twiceshy.Led
     record = guard.settle(key)
     assert record is not None
     assert record.state is twiceshy.State.SUCCEEDED
-    assert asked == [(key, None), (key, None)]
+    assert asked == [(key, {"amount": 3}), (key, {"amount": 3})]
     with twiceshy.run("run-32"):
         assert wire(3) == {"id": "w_1"}
     assert runs == [3]

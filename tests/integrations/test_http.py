@@ -1,4 +1,8 @@
-"""The Idempotency-Key transports for httpx and httpx2, against a provider double on loopback."""
+"""The Idempotency-Key transports for httpx and httpx2, against a provider double on loopback.
+
+The double is ``twiceshy.testing.FakeProvider``, served over HTTP: it records every request's
+``Idempotency-Key`` and deduplicates by it, as Stripe does.
+"""
 
 from __future__ import annotations
 
@@ -11,54 +15,30 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from loopback import JSONHandler, openai_client, serve
+from loopback import openai_client
 
 import twiceshy
 from twiceshy.integrations import httpx as tx
 from twiceshy.integrations import httpx2 as tx2
+from twiceshy.testing import FakeProvider, Handling, assert_same_key, assert_took_effect_once
 
-
-class Provider:
-    """A payment provider double: records every request's Idempotency-Key, deduplicates by it."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str, str | None]] = []
-        self.charges: dict[str, dict[str, Any]] = {}
-        self.fail_first = 0
-        self.lock = threading.Lock()
+Served = tuple[FakeProvider, str]
+"""The provider double and the base URL it is served at."""
 
 
 @pytest.fixture
-def provider() -> Iterator[tuple[Provider, str]]:
-    state = Provider()
-
-    class Handler(JSONHandler):
-        def do_GET(self) -> None:
-            with state.lock:
-                state.seen.append(("GET", self.path, self.headers.get("Idempotency-Key")))
-            self._answer(200, {"ok": True})
-
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            key = self.headers.get("Idempotency-Key")
-            with state.lock:
-                state.seen.append(("POST", self.path, key))
-                if state.fail_first > 0:
-                    state.fail_first -= 1
-                    self._answer(500, {"error": "provider hiccup"})
-                    return
-                if key is not None and key in state.charges:
-                    self._answer(200, state.charges[key])
-                    return
-                charge = {"id": f"ch_{len(state.charges) + 1}", "body": body.decode()}
-                state.charges[key or f"anon-{len(state.seen)}"] = charge
-            self._answer(200, charge)
-
-    with serve(Handler) as base:
+def provider() -> Iterator[Served]:
+    state = FakeProvider(deduplicate=True)
+    with state.serve() as base:
         yield state, base
 
 
-def test_keyed_call_sends_one_header_per_request_content(provider: tuple[Provider, str]) -> None:
+def _keys(state: FakeProvider) -> list[str | None]:
+    """The Idempotency-Key of every request the double saw, in order."""
+    return [seen.key for seen in state.requests]
+
+
+def test_keyed_call_sends_one_header_per_request_content(provider: Served) -> None:
     """Inside a KEYED call, a repeated request carries the same header; another request differs."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -76,16 +56,17 @@ def test_keyed_call_sends_one_header_per_request_content(provider: tuple[Provide
     with twiceshy.run("run-h2"):
         other_run = charge(100)
     client.close()
-    keys = [k for _, _, k in state.seen]
+    keys = _keys(state)
     assert all(k is not None and len(k) == 64 for k in keys)
     assert keys[0] == keys[1]
     assert keys[2] != keys[0]
     assert ids[0] == ids[1] != ids[2]
     assert set(keys[3:]).isdisjoint(keys[:3])
     assert other_run[0] != ids[0]
+    assert_took_effect_once(state.requests[:3], operation="POST /v1/charges")
 
 
-def test_no_header_outside_keyed_calls(provider: tuple[Provider, str]) -> None:
+def test_no_header_outside_keyed_calls(provider: Served) -> None:
     """No header outside a protected call, in an UNSAFE call, on a GET, or over one already set."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -105,10 +86,11 @@ def test_no_header_outside_keyed_calls(provider: tuple[Provider, str]) -> None:
         unsafe()
         keyed()
     client.close()
-    assert [k for _, _, k in state.seen] == [None, None, None, "mine"]
+    assert _keys(state) == [None, None, None, "mine"]
+    assert state.requests[2].handling is Handling.READ  # the GET
 
 
-def test_async_transport(provider: tuple[Provider, str]) -> None:
+def test_async_transport(provider: Served) -> None:
     """The async transport adds the same header as the sync one for the same request."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -135,24 +117,24 @@ def test_async_transport(provider: tuple[Provider, str]) -> None:
     again = other.tool(effect=twiceshy.KEYED, name="charge")(charge_sync.__wrapped__)  # type: ignore[attr-defined]
     with twiceshy.run("run-h4"):
         assert again(7) == first
-    keys = [k for _, _, k in state.seen]
+    keys = _keys(state)
     assert len(keys) == 2
     assert keys[0] == keys[1]
-    assert len(state.charges) == 1
+    assert_took_effect_once(state)
 
 
-def _posted_keys(state: Provider) -> list[str]:
+def _posted_keys(state: FakeProvider) -> list[str]:
     """The Idempotency-Key of each of the two POSTs the double saw (a try and its retry)."""
-    posts = [k for method, _, k in state.seen if method == "POST"]
+    posts = [seen.key for seen in state.requests if seen.operation.startswith("POST ")]
     assert len(posts) == 2
     assert None not in posts
     return [k for k in posts if k is not None]
 
 
-def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]) -> None:
+def test_openai_sdk_retry_carries_the_same_header(provider: Served) -> None:
     """The OpenAI SDK (httpx2) retrying a failed request sends the same Idempotency-Key again."""
     state, base = provider
-    state.fail_first = 1  # the SDK retries the first request
+    state.fail_next()  # a 503: the SDK retries the first request
     ledger = twiceshy.Ledger("memory://")
     client = openai_client(base, max_retries=2)
 
@@ -167,16 +149,17 @@ def test_openai_sdk_retry_carries_the_same_header(provider: tuple[Provider, str]
     posts = _posted_keys(state)
     assert len(posts[0]) == 64  # ours: the SDK itself sends no Idempotency-Key
     assert posts[0] == posts[1]
-    assert charge_id == "ch_1"
-    assert len(state.charges) == 1
+    assert charge_id == "obj_1"
+    assert_took_effect_once(state)
+    assert_same_key(state)
 
 
 def test_sdk_retry_of_a_multipart_upload_carries_the_same_header(
-    provider: tuple[Provider, str],
+    provider: Served,
 ) -> None:
     """An SDK's retry of a file upload repeats the header, though each try draws a new boundary."""
     state, base = provider
-    state.fail_first = 1  # the SDK retries the first request
+    state.fail_next()  # a 503: the SDK retries the first request
     ledger = twiceshy.Ledger("memory://")
     client = openai_client(base, max_retries=2)
 
@@ -197,10 +180,10 @@ def test_sdk_retry_of_a_multipart_upload_carries_the_same_header(
     client.close()
     posts = _posted_keys(state)
     assert posts[0] == posts[1]
-    assert len(state.charges) == 1
+    assert_took_effect_once(state)
 
 
-def test_async_multipart_header_follows_the_content(provider: tuple[Provider, str]) -> None:
+def test_async_multipart_header_follows_the_content(provider: Served) -> None:
     """Async: the same upload twice carries one header; another file's upload another one."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -219,13 +202,13 @@ def test_async_multipart_header_follows_the_content(provider: tuple[Provider, st
             await upload("hello")
 
     asyncio.run(main())
-    keys = [k for _, _, k in state.seen]
+    keys = _keys(state)
     assert len(keys) == 3
     assert keys[0] is not None
     assert keys[0] == keys[1] != keys[2]
 
 
-def test_header_reaches_to_thread_and_copied_contexts_only(provider: tuple[Provider, str]) -> None:
+def test_header_reaches_to_thread_and_copied_contexts_only(provider: Served) -> None:
     """As documented: asyncio.to_thread and a copied context get the header; a bare thread none."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -250,7 +233,7 @@ def test_header_reaches_to_thread_and_copied_contexts_only(provider: tuple[Provi
 
     asyncio.run(main())
     client.close()
-    keys = [k for _, _, k in state.seen]
+    keys = _keys(state)
     assert keys[0] is not None
     assert keys == [keys[0], None, keys[0]]
 
@@ -275,7 +258,7 @@ def test_settings_that_would_match_nothing_are_refused(
         transport(**settings)
 
 
-def test_requests_outside_protected_calls_pass_untouched(provider: tuple[Provider, str]) -> None:
+def test_requests_outside_protected_calls_pass_untouched(provider: Served) -> None:
     """Outside a protected call (or from a bare thread inside one) a POST repeats, headerless."""
     state, base = provider
     ledger = twiceshy.Ledger("memory://")
@@ -296,17 +279,19 @@ def test_requests_outside_protected_calls_pass_untouched(provider: tuple[Provide
     send()
     with twiceshy.run("run-h9"), pytest.raises(LookupError):
         charge(1)
-    assert state.seen == [("POST", "/v1/charges", None)] * 4
+    assert [(seen.operation, seen.key) for seen in state.requests] == [
+        ("POST /v1/charges", None)
+    ] * 4
     # Nothing marked the point of no return: the error reads as "nothing happened" (the
     # caveat docs/http.md states), so the intent was released and runs again.
     with twiceshy.run("run-h9"), pytest.raises(LookupError):
         charge(1)
     client.close()
-    assert len(state.seen) == 6
+    assert len(state.requests) == 6
 
 
 def test_keyed_effect_at_http_error_after_the_request_is_retried_with_the_key(
-    provider: tuple[Provider, str],
+    provider: Served,
 ) -> None:
     """KEYED, effect_at="http": an error after the request left retries it with the same key."""
     state, base = provider
@@ -322,10 +307,10 @@ def test_keyed_effect_at_http_error_after_the_request_is_retried_with_the_key(
         return answers[-1]
 
     with twiceshy.run("run-h10"):
-        assert charge(5) == "ch_1"
+        assert charge(5) == "obj_1"
     client.close()
-    keys = [k for _, _, k in state.seen]
+    keys = _keys(state)
     assert len(keys) == 2
     assert keys[0] is not None
     assert keys[0] == keys[1]
-    assert len(state.charges) == 1
+    assert_took_effect_once(state)
