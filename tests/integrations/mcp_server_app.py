@@ -18,13 +18,14 @@ import asyncio
 import os
 import socket
 import sys
+from importlib import metadata
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.server.mcpserver import MCPServer
 
 import twiceshy
@@ -91,6 +92,9 @@ def stdio_target(ledger_url: str, effects: Path) -> StdioServerParameters:
 
 
 async def _call(target: str | StdioServerParameters, barrier: Barrier, scope: str) -> Any:
+    # mcp 2.0's Client takes a transport for a stdio server; 2.1 added taking its parameters.
+    if isinstance(target, StdioServerParameters) and metadata.version("mcp").startswith("2.0."):
+        target = stdio_client(target)  # type: ignore[assignment]
     async with Client(target, read_timeout_seconds=30) as client:
         # Connected first, so the barrier releases two ready calls at once.
         await asyncio.to_thread(barrier.wait, 60)

@@ -12,6 +12,7 @@ import operator
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -28,6 +29,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import InjectedState, ToolNode, ToolRuntime
 from langgraph.types import Command, RetryPolicy, interrupt
+from packaging.version import Version
 from pydantic import Field
 
 import twiceshy
@@ -131,6 +133,9 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[twiceshy.
 
 
 CHARGE = {"amount": 4900, "customer": "cus_1"}
+# LangChain 1.3.12 let LangGraph's bubble-up errors pass ToolRetryMiddleware. Before, it retries a
+# refusal and hands its text to the model: the run goes on, and the tool still does not run.
+BUBBLES_THROUGH_RETRIES = Version(metadata.version("langchain")) >= Version("1.3.12")
 WIRE = {"amount": 500, "to": "DE89 3704 0044 0532 0130 00"}
 
 
@@ -702,6 +707,11 @@ def test_missing_thread_id_ends_the_run_unretried(ledger: twiceshy.Ledger) -> No
             TwiceshyMiddleware(ledger, {"wire": twiceshy.UNSAFE}, default=twiceshy.SAFE),
         ],
     )
+    if not BUBBLES_THROUGH_RETRIES:
+        agent.invoke({"messages": [HumanMessage("wire 5 EUR")]})
+        assert wires == []
+        assert "the run has no thread id" in str(model.tool_answer(2, "w1").content)
+        return
     with pytest.raises(ScopeNotFound, match="no thread id") as raised:
         agent.invoke({"messages": [HumanMessage("wire 5 EUR")]})
 
@@ -773,8 +783,12 @@ def test_undeclared_tool_is_refused_and_made_up_names_pass(ledger: twiceshy.Ledg
         middleware=[retries(2), protect],
         checkpointer=InMemorySaver(),
     )
-    with pytest.raises(EffectNotDeclared, match="'delete_user' has no declared effect class"):
+    if BUBBLES_THROUGH_RETRIES:
+        with pytest.raises(EffectNotDeclared, match="'delete_user' has no declared effect class"):
+            agent.invoke({"messages": [HumanMessage("go")]}, thread("thread-8"))
+    else:
         agent.invoke({"messages": [HumanMessage("go")]}, thread("thread-8"))
+        assert "has no declared effect class" in str(model.tool_answer(2, "d1").content)
     assert runs == []
     made_up = model.tool_answer(1, "t1")
     assert made_up.status == "error"

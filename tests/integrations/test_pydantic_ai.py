@@ -12,15 +12,18 @@ import asyncio
 import sys
 import threading
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import Version
 from pydantic_ai import Agent, ModelRetry, RunContext, ToolFailed
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
     ModelResponse,
+    RetryPromptPart,
     TextPart,
     ToolCallPart,
     ToolReturn,
@@ -35,6 +38,9 @@ from twiceshy.integrations.pydantic_ai import EffectNotDeclared, TwiceshyCapabil
 
 CHARGE = {"amount": 4900, "customer": "cus_1"}
 WIRE = {"amount": 120, "iban": "DE89370400440532013000"}
+# Pydantic AI 2.60 answers a tool's ModelRetry with a ToolReturnPart whose outcome is "retried";
+# before, with a RetryPromptPart. The tests read the former, built from the latter before 2.60.
+RETRIES_AS_RETURNS = Version(metadata.version("pydantic-ai-slim")) >= Version("2.60")
 
 
 # -- doubles -------------------------------------------------------------------------------
@@ -45,6 +51,8 @@ class Script:
 
     An answer that is an exception is raised instead (the model's API failing).
     """
+
+    __name__ = "script"  # FunctionModel names itself after its function (before 2.6x it must)
 
     def __init__(self, *answers: ModelResponse | Exception) -> None:
         self._answers = list(answers)
@@ -61,7 +69,10 @@ class Script:
 
     def results(self, request: int) -> list[ToolReturnPart]:
         """The tool results the model received in its ``request``-th request (from 1)."""
-        return [part for part in self._last(request).parts if isinstance(part, ToolReturnPart)]
+        parts = self._last(request).parts
+        return [
+            _as_return(part) for part in parts if isinstance(part, ToolReturnPart | RetryPromptPart)
+        ]
 
     def prompts(self, request: int) -> list[Any]:
         """The user content that came with the tool results of the ``request``-th request."""
@@ -72,6 +83,19 @@ class Script:
         last = self.requests[request - 1][-1]
         assert isinstance(last, ModelRequest)
         return last
+
+
+def _as_return(part: ToolReturnPart | RetryPromptPart) -> ToolReturnPart:
+    """A tool's result as Pydantic AI 2.60 and later words it (a retry as a "retried" outcome)."""
+    if isinstance(part, ToolReturnPart):
+        return part
+    assert not RETRIES_AS_RETURNS, f"a RetryPromptPart from Pydantic AI 2.60 or later: {part}"
+    return ToolReturnPart(
+        tool_name=part.tool_name or "",
+        content=part.model_response(),
+        tool_call_id=part.tool_call_id,
+        outcome="retried",
+    )
 
 
 def call(tool: str, args: dict[str, Any] | str, *ids: str) -> ModelResponse:

@@ -42,17 +42,29 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Final, cast, get_type_hints
 
-import fastmcp
-from fastmcp.exceptions import DisabledError, NotFoundError, ToolError, ValidationError
-from fastmcp.server.dependencies import without_injected_parameters
-from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
-from fastmcp.server.providers.addressing import parse_hashed_backend_name
-from fastmcp.tools.base import InputRequiredToolResult, RawStructuredToolResult, Tool, ToolResult
-from fastmcp.tools.function_tool import FunctionTool
-from fastmcp.utilities.types import get_cached_typeadapter
-from mcp.types import CallToolRequestParams, ContentBlock, TextContent
 from pydantic import TypeAdapter
 from pydantic_core import to_json
+
+try:
+    import fastmcp
+    from fastmcp.exceptions import DisabledError, NotFoundError, ToolError, ValidationError
+    from fastmcp.server.dependencies import without_injected_parameters
+    from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+    from fastmcp.server.providers.addressing import parse_hashed_backend_name
+    from fastmcp.tools.base import InputRequiredToolResult, Tool, ToolResult
+    from fastmcp.tools.function_tool import FunctionTool
+    from fastmcp.utilities.types import get_cached_typeadapter
+    from mcp.types import CallToolRequestParams, ContentBlock, TextContent
+except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
+    raise ImportError(
+        f"twiceshy.integrations.fastmcp needs FastMCP 4: pip install 'twiceshy[fastmcp]' ({exc})"
+    ) from exc
+try:  # FastMCP 4.2 added it; before, every tool result is a plain ToolResult
+    from fastmcp.tools.base import RawStructuredToolResult
+
+    _RAW: type[ToolResult] | None = RawStructuredToolResult
+except ImportError:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
+    _RAW = None
 
 from twiceshy import Guard, Ledger
 from twiceshy.errors import InProgress, NotApplied, OutcomeUnknown, TwiceshyError
@@ -102,7 +114,7 @@ def _stored(result: ToolResult) -> dict[str, Any]:
         ],
         "structuredContent": result.structured_content,
         "meta": result.meta,
-        "raw": isinstance(result, RawStructuredToolResult),
+        "raw": _RAW is not None and isinstance(result, _RAW),
     }
 
 
@@ -110,8 +122,8 @@ def _rebuilt(data: Mapping[str, Any]) -> ToolResult:
     """The tool result :func:`_stored` kept."""
     blocks = _BLOCKS.validate_python(data.get("content") or [])
     structured, meta = data.get("structuredContent"), data.get("meta")
-    if data.get("raw"):
-        return RawStructuredToolResult(content=blocks, structured_content=structured, meta=meta)
+    if data.get("raw") and _RAW is not None:
+        return _RAW(content=blocks, structured_content=structured, meta=meta)
     return ToolResult(content=blocks, structured_content=structured, meta=meta)
 
 

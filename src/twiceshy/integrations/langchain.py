@@ -67,14 +67,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
-from langchain_core.messages import ToolMessage
-from langchain_core.tools import BaseTool, StructuredTool, Tool
-from langchain_core.tools.base import FILTERED_ARGS, _get_runnable_config_param
-from langgraph.errors import GraphBubbleUp, GraphInterrupt
-from langgraph.prebuilt import ToolNode
-from langgraph.types import Command
 from pydantic import BaseModel
+
+try:
+    from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
+    from langchain_core.messages import ToolMessage
+    from langchain_core.tools import BaseTool, StructuredTool, Tool
+    from langchain_core.tools.base import FILTERED_ARGS, _get_runnable_config_param
+    from langgraph.errors import GraphBubbleUp, GraphInterrupt
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import Command
+except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
+    raise ImportError(
+        "twiceshy.integrations.langchain needs LangChain 1.x and LangGraph 1.x: "
+        f"pip install 'twiceshy[langchain]' ({exc})"
+    ) from exc
 
 from .. import (
     Effect,

@@ -38,11 +38,17 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal, TypeVar, cast
 
-from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
-from mcp.server.mcpserver import MCPServer
-from mcp.types import CallToolResult, RequestParamsMeta, TextContent, ToolAnnotations
-from mcp.types.methods import is_input_required, serialize_server_result
 from pydantic import BaseModel, ValidationError
+
+try:
+    from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+    from mcp.server.mcpserver import MCPServer
+    from mcp.types import CallToolResult, RequestParamsMeta, TextContent, ToolAnnotations
+    from mcp.types.methods import is_input_required, serialize_server_result
+except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
+    raise ImportError(
+        f"twiceshy.integrations.mcp needs the MCP SDK 2: pip install 'twiceshy[mcp]' ({exc})"
+    ) from exc
 
 from twiceshy import Effect, Guard, Ledger
 from twiceshy.errors import (

@@ -55,13 +55,26 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from agents import FunctionTool, ModelBehaviorError, RunContextWrapper, Tool, ToolTimeoutError
-from agents.tool import (
-    default_tool_timeout_error_message,
-    maybe_invoke_function_tool_failure_error_function,
-    set_function_tool_failure_error_function,
-)
-from agents.tool_context import ToolContext
+try:
+    from agents import (
+        FunctionTool,
+        ModelBehaviorError,
+        RunContextWrapper,
+        Tool,
+        ToolTimeoutError,
+        UserError,
+    )
+    from agents.tool import (
+        default_tool_timeout_error_message,
+        maybe_invoke_function_tool_failure_error_function,
+        set_function_tool_failure_error_function,
+    )
+    from agents.tool_context import ToolContext
+except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
+    raise ImportError(
+        "twiceshy.integrations.openai_agents needs the OpenAI Agents SDK 0.23.1 or later: "
+        f"pip install 'twiceshy[openai-agents]' ({exc})"
+    ) from exc
 
 from .. import Effect, Guard, Ledger, inherited_scope
 from ..errors import (
@@ -344,6 +357,7 @@ class _Invoker:
     # is annotated with it; a RunContextWrapper annotation would get a stripped context.
     async def __call__(self, ctx: ToolContext[Any], raw_json_args: str) -> Any:
         outer, guard = self.outer, self.guard
+        _refuse_workflow_code(guard.name)
         prepared: Any = None
         arguments: dict[str, Any] | None = None
         if self.function is not None:
@@ -477,6 +491,29 @@ def _keyable(
     except Exception:  # the call itself answers (a refused value, a bound)
         return arguments
     return arguments
+
+
+def _refuse_workflow_code(tool: str) -> None:
+    """Refuse a protected tool invoked in Temporal workflow code, before the ledger is asked.
+
+    OpenAI Agents' Temporal integration runs the agent loop in the workflow, and with it every
+    ``FunctionTool`` not made with ``activity_as_tool``: its ledger I/O would run in workflow
+    code, again on every replay. (Read without importing Temporal: only a process that imported
+    it can be in a workflow.)
+
+    Raises:
+        agents.UserError: the tool was invoked in a Temporal workflow's own code.
+    """
+    workflow = sys.modules.get("temporalio.workflow")
+    in_workflow = getattr(workflow, "in_workflow", None)
+    if in_workflow is None or not in_workflow():
+        return
+    raise UserError(
+        f"the protected tool {tool!r} was invoked in Temporal workflow code, where the ledger "
+        "must not be asked (a replay would ask it again): protect the activity instead, with "
+        "twiceshy.integrations.temporal.activity(ledger, effect=...), and hand it to "
+        "activity_as_tool(...); it did not run"
+    )
 
 
 async def _failed(

@@ -64,34 +64,53 @@ from types import MappingProxyType
 from typing import Any
 
 import pydantic
-from pydantic_ai.capabilities import (
-    AbstractCapability,
-    ValidatedToolArgs,
-    WrapToolExecuteHandler,
-)
-from pydantic_ai.exceptions import (
-    ApprovalRequired,
-    CallDeferred,
-    ModelRetry,
-    SkipToolExecution,
-    ToolFailed,
-    ToolFailedError,
-    ToolRetryError,
-    UnexpectedModelBehavior,
-    UserError,
-)
-from pydantic_ai.messages import (
-    MULTI_MODAL_CONTENT_TYPES,
-    CachePoint,
-    StructuredContent,
-    TextContent,
-    ToolCallPart,
-    ToolReturn,
-    ToolReturnPart,
-    UserContent,
-)
-from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
-from pydantic_ai.toolsets.function import FunctionToolsetTool
+
+try:
+    from pydantic_ai.capabilities import (
+        AbstractCapability,
+        ValidatedToolArgs,
+        WrapToolExecuteHandler,
+    )
+    from pydantic_ai.exceptions import (
+        ApprovalRequired,
+        CallDeferred,
+        ModelRetry,
+        SkipToolExecution,
+        ToolFailed,
+        ToolFailedError,
+        ToolRetryError,
+        UnexpectedModelBehavior,
+        UserError,
+    )
+    from pydantic_ai.messages import (
+        MULTI_MODAL_CONTENT_TYPES,
+        CachePoint,
+        RetryPromptPart,
+        TextContent,
+        ToolCallPart,
+        ToolReturn,
+        ToolReturnPart,
+        UserContent,
+    )
+    from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
+    from pydantic_ai.toolsets.function import FunctionToolsetTool
+except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
+    raise ImportError(
+        "twiceshy.integrations.pydantic_ai needs Pydantic AI 2.16 or later: "
+        f"pip install 'twiceshy[pydantic-ai]' ({exc})"
+    ) from exc
+try:  # pydantic-ai-slim 2.62 added it; before, no tool result holds such a part
+    from pydantic_ai.messages import StructuredContent
+
+    _STRUCTURED: tuple[type, ...] = (StructuredContent,)
+except ImportError:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
+    _STRUCTURED = ()
+try:  # durable agents as capabilities (DBOSDurability, PrefectDurability, TemporalDurability)
+    from pydantic_ai.durable_exec import BaseDurabilityCapability
+
+    _DURABILITY: type | None = BaseDurabilityCapability
+except ImportError:  # pragma: no cover - releases without them
+    _DURABILITY = None
 
 from twiceshy import (
     SAFE,
@@ -246,6 +265,17 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         """Not loadable from an agent spec: it needs a live :class:`twiceshy.Ledger`."""
         return None
 
+    def for_agent(self, agent: Any) -> AbstractCapability[AgentDepsT]:
+        """Refuse an agent made durable (``DBOSDurability``, ``PrefectDurability``,
+        ``TemporalDurability``), when it is built or when the capability is given to a run:
+        there the tool function is protected instead.
+
+        Raises:
+            UserError: the agent carries a durability capability.
+        """
+        _refuse_durable(getattr(agent, "root_capability", None))
+        return self
+
     async def wrap_tool_execute(
         self,
         ctx: RunContext[AgentDepsT],
@@ -365,6 +395,53 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 f"the tool {guard.name!r} cannot be protected: {where}; it did not run"
             )
         return scope
+
+
+# Where the tool function runs under each engine, and how to protect it there.
+_DURABLE_PLACEMENT = {
+    "DBOS": "make the tool function a twiceshy step: @twiceshy.integrations.dbos.step(ledger, "
+    "effect=...) under the tool decorator",
+    "Prefect": "protect the tool function, which PrefectDurability runs in a task: "
+    "@twiceshy.integrations.prefect.protect(ledger, effect=...) under the tool decorator",
+    "Temporal": "protect the tool function, which TemporalDurability runs in an activity: "
+    "@twiceshy.integrations.temporal.protect(ledger, effect=...) under the tool decorator",
+}
+
+
+def _refuse_durable(root: object) -> None:
+    """Refuse to protect the tools of a durable agent.
+
+    A durability capability runs the agent in an engine's workflow (or flow) and each tool call
+    in a durable unit (a step, a task, an activity). ``wrap_tool_execute`` is never durable: it
+    runs in the workflow's own code, around the unit. There the ledger would be asked on every
+    deterministic replay (a replayed answer then skips a checkpointed unit, which DBOS and
+    Temporal refuse), and the engine's own retries of the unit would never reach it.
+
+    Raises:
+        UserError: ``root`` (a capability tree) holds a durability capability; the message
+            says where to protect the tool instead.
+    """
+    if _DURABILITY is None or not isinstance(root, AbstractCapability):
+        return
+    found: list[AbstractCapability[Any]] = []
+    root.apply(found.append)
+    for capability in found:
+        if not isinstance(capability, _DURABILITY):
+            continue
+        spec = getattr(type(capability), "engine_spec", None)
+        engine = getattr(spec, "engine_name", type(capability).__name__)
+        container = getattr(spec, "durable_container_noun", "workflow")
+        unit = getattr(spec, "durable_unit_noun", "durable unit")
+        advice = _DURABLE_PLACEMENT.get(
+            engine, "protect the tool function itself, inside the unit that runs it"
+        )
+        raise UserError(
+            f"TwiceshyCapability cannot protect the tools of an agent made durable with "
+            f"{type(capability).__name__}: under {engine}, wrap_tool_execute runs in the "
+            f"{container}'s own code, never in a {unit}, so the ledger would be asked again "
+            f"on every replay and {engine}'s retries of a {unit} would never reach it. Leave "
+            f"TwiceshyCapability out and {advice} (see twiceshy's docs/durable_engines.md)"
+        )
 
 
 def _guard(
@@ -488,15 +565,22 @@ def _for_call(signal: Exception, call: ToolCallPart) -> Exception:
     """The signal, answering ``call``: a duplicate that joined the first call's run gets that
     call's failure or retry request under its own tool-call id (a provider refuses a request in
     which a call has no result of its own)."""
-    part: ToolReturnPart | None = None
+    answer: Exception
     if isinstance(signal, ToolFailedError):
-        part = signal.tool_failed
-    elif isinstance(signal, ToolRetryError) and isinstance(signal.tool_retry, ToolReturnPart):
-        part = signal.tool_retry
-    if part is None or part.tool_call_id == call.tool_call_id:
+        failed = signal.tool_failed
+        if failed.tool_call_id == call.tool_call_id:
+            return signal
+        answer = ToolFailedError(dataclasses.replace(failed, tool_call_id=call.tool_call_id))
+    # Before Pydantic AI 2.60 a retry request travels as a RetryPromptPart.
+    elif isinstance(signal, ToolRetryError) and isinstance(
+        signal.tool_retry, ToolReturnPart | RetryPromptPart
+    ):
+        retry = signal.tool_retry
+        if retry.tool_call_id == call.tool_call_id:
+            return signal
+        answer = ToolRetryError(dataclasses.replace(retry, tool_call_id=call.tool_call_id))
+    else:
         return signal
-    own = dataclasses.replace(part, tool_call_id=call.tool_call_id)
-    answer = ToolFailedError(own) if isinstance(signal, ToolFailedError) else ToolRetryError(own)
     answer.__cause__ = signal.__cause__
     return answer
 
@@ -545,7 +629,7 @@ _PART_KINDS = frozenset(
     str(kind)
     for kind in (
         getattr(part, "kind", None)
-        for part in (*MULTI_MODAL_CONTENT_TYPES, TextContent, StructuredContent, CachePoint)
+        for part in (*MULTI_MODAL_CONTENT_TYPES, TextContent, *_STRUCTURED, CachePoint)
     )
     if isinstance(kind, str)
 )
@@ -575,11 +659,14 @@ def _live(value: Any) -> Any:
         return value
     kind = value.get("kind")
     if kind == "tool-return" and "return_value" in value and value.keys() <= _TOOL_RETURN_FIELDS:
+        # Only the fields this release's ToolReturn has (``tools`` is newer than 2.16).
+        given: dict[str, Any] = {
+            name: value.get(name) for name in ("metadata", "tools") if name in _TOOL_RETURN_FIELDS
+        }
         return ToolReturn(
             return_value=_live(value["return_value"]),
             content=_live(value.get("content")),
-            metadata=value.get("metadata"),
-            tools=value.get("tools"),
+            **given,
         )
     if isinstance(kind, str) and kind in _PART_KINDS:
         # The ledger keeps a dataclass by its fields; Pydantic AI names the private ones

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# CI, after the main test command: the framework adapters in the environments the main one
+# (.venv, the test extra at the newest releases) cannot be.
+#
+#   oldest          every framework that fits beside the others at its oldest supported release
+#                   (.ci/oldest.txt): tests/integrations
+#   oldest-crewai   CrewAI at its oldest supported release (it pins mcp < 2): its tests
+#   google-adk, strands, crewai
+#                   the newest releases of the frameworks that cannot be installed beside the
+#                   other extras, each alone: its tests, and mypy on its adapter
+#
+# Each is a venv under .ci/venvs/ (git-ignored; TWICESHY_CI_VENVS moves it), built with
+# `pip install -e '.[EXTRAS]'` and the test tools, and kept while its inputs (pyproject.toml,
+# .ci/oldest.txt, this script, the Python, the checkout's path) are unchanged: a second run
+# only runs the tests. Run it from anywhere; it is idempotent. In each, a test module whose
+# framework is missing fails instead of skipping (TWICESHY_REQUIRE_FRAMEWORKS, read by
+# tests/integrations/conftest.py), and so does a test that needs a server that is not there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENVS=${TWICESHY_CI_VENVS:-.ci/venvs}
+PYTHON=${PYTHON:-python3}
+OLDEST=.ci/oldest.txt
+# The test tools, within the test extra's bounds.
+TOOLS=("pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "mypy>=1.15")
+# The frameworks of the oldest environment (all but CrewAI), as extras.
+OLDEST_EXTRAS=openai-agents,langchain,pydantic-ai,mcp,fastmcp,google-adk,llama-index,strands,claude-agent-sdk
+PIP=(--quiet --disable-pip-version-check --progress-bar off)
+
+export TWICESHY_REQUIRE_SERVERS=1
+mkdir -p "$VENVS"
+failed=()
+
+inputs() {  # inputs NAME: the hash of what a venv is built from
+    {
+        echo "$1 $(pwd)"
+        "$PYTHON" --version
+        cat pyproject.toml "$OLDEST" .ci/frameworks.sh
+    } | sha256sum | cut -d' ' -f1
+}
+
+build() {  # build NAME EXTRAS [CONSTRAINTS]: make the venv NAME unless it is current
+    local name=$1 extras=$2 constraints=${3:-} dir="$VENVS/$1" want
+    want=$(inputs "$name")
+    if [ -f "$dir/.inputs" ] && [ "$(cat "$dir/.inputs")" = "$want" ]; then
+        echo "frameworks: $name: venv is current"
+        return 0
+    fi
+    echo "frameworks: $name: building the venv"
+    # (Each command checked: `set -e` does not reach into a function called by `if`.)
+    rm -rf "$dir" || return 1
+    "$PYTHON" -m venv "$dir" || return 1
+    local args=(-e ".[$extras]" "${TOOLS[@]}")
+    if [ -n "$constraints" ]; then
+        args+=(--constraint "$constraints")
+    fi
+    "$dir/bin/python" -m pip install "${PIP[@]}" "${args[@]}" || return 1
+    echo "$want" >"$dir/.inputs"
+}
+
+run() {  # run NAME REQUIRED PYTEST-ARGS...: the tests in the venv NAME, its frameworks required
+    local name=$1 required=$2
+    shift 2
+    echo "frameworks: $name: pytest $*"
+    if ! TWICESHY_REQUIRE_FRAMEWORKS=$required "$VENVS/$name/bin/python" -m pytest -q \
+        -p no:cacheprovider "$@"; then
+        failed+=("$name: tests")
+    fi
+}
+
+check_types() {  # check_types NAME MODULE: mypy on one adapter, in the venv that has its framework
+    local name=$1 module=$2
+    echo "frameworks: $name: mypy $module"
+    # The modules it imports are checked by the main environment's mypy (their drivers are
+    # not installed here): only this one is reported.
+    if ! "$VENVS/$name/bin/mypy" --follow-imports=silent "$module"; then
+        failed+=("$name: mypy $module")
+    fi
+}
+
+step() {  # step NAME COMMAND...: one environment, timed; a failed build is reported, not fatal
+    local name=$1 start=$SECONDS
+    shift
+    if ! "$@"; then
+        failed+=("$name: build")
+    fi
+    echo "frameworks: $name: $((SECONDS - start)) s"
+}
+
+oldest() {
+    local pins="$VENVS/oldest.txt"
+    grep -v '^crewai==' "$OLDEST" >"$pins"
+    build oldest "$OLDEST_EXTRAS" "$pins" || return 1
+    # The pins are the floors of the extras' bounds: a floor raised without its pin (or the
+    # other way round) is caught here.
+    "$VENVS/oldest/bin/python" - "$OLDEST" <<'EOF' || { failed+=("oldest: floors"); return 0; }
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+pins = {}
+for line in open(sys.argv[1], encoding="utf-8"):
+    if line.strip() and not line.startswith("#"):
+        name, _, version = line.strip().partition("==")
+        pins[name] = Version(version)
+wrong = []
+for text in metadata.requires("twiceshy") or []:
+    requirement = Requirement(text)
+    floors = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+    if requirement.name in pins and floors and floors[0] != pins[requirement.name]:
+        wrong.append(f"{requirement} (pinned: {pins[requirement.name]})")
+for line in sorted(set(wrong)):
+    print(f"frameworks: the floor of {line} is not its pin in .ci/oldest.txt", file=sys.stderr)
+sys.exit(1 if wrong else 0)
+EOF
+    run oldest "$OLDEST_EXTRAS" tests/integrations
+}
+
+oldest_crewai() {
+    local pins="$VENVS/oldest-crewai.txt"
+    grep '^crewai==' "$OLDEST" >"$pins"
+    build oldest-crewai crewai "$pins" || return 1
+    run oldest-crewai crewai tests/integrations/test_crewai*.py
+}
+
+alone() {  # alone EXTRA MODULE: the newest release of one framework, in a venv of its own
+    local extra=$1 module=$2
+    build "$extra" "$extra" || return 1
+    run "$extra" "$extra" tests/integrations/test_"$module"*.py
+    check_types "$extra" "src/twiceshy/integrations/$module.py"
+}
+
+total=$SECONDS
+step oldest oldest
+step oldest-crewai oldest_crewai
+step google-adk alone google-adk google_adk
+step strands alone strands strands
+step crewai alone crewai crewai
+echo "frameworks: $((SECONDS - total)) s in all"
+
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'frameworks: failed: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
+echo "frameworks: all green"
