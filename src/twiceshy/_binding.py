@@ -39,7 +39,8 @@ def calls_point_of_no_return(fn: Callable[..., Any]) -> bool:
     return False
 
 
-@dataclass(frozen=True, slots=True)
+# Made per call and never changed, but not frozen: a frozen dataclass pays a setattr per field.
+@dataclass(slots=True)
 class BoundCall:
     """One call's arguments, by parameter name.
 

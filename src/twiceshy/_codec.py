@@ -29,6 +29,7 @@ import datetime as dt
 import enum
 import inspect
 import json
+import json.scanner
 import math
 import pathlib
 import types
@@ -36,7 +37,7 @@ import typing
 import uuid
 from collections.abc import Callable, Mapping
 from decimal import Decimal
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from .errors import ResultNotStorable
 
@@ -197,7 +198,14 @@ class ResultCodec:
         Raises:
             NotKept: the tool ran, and its result was recorded as not kept.
         """
-        data = json.loads(text)
+        # json.loads(text), with the text this codec writes (no white space around it) read by
+        # the decoder's scanner directly: a replay decodes on every call.
+        try:
+            data, end = _SCAN(text, 0)
+        except StopIteration:
+            end = -1
+        if end != len(text):
+            data = json.loads(text)  # white space around the value, or not JSON: loads says what
         if text.startswith(_MARKED) and type(data) is dict and len(data) >= 2:
             if data.get(_MARK) == "value":
                 data = data["value"]
@@ -209,6 +217,12 @@ class ResultCodec:
             return self._rebuild(data)
         except Exception:  # e.g. decimal.InvalidOperation, a __post_init__'s own error
             return data
+
+
+# The scanner json.loads uses (typeshed types its argument as the scanner class, not a decoder).
+_SCAN: Final[Callable[[str, int], tuple[Any, int]]] = json.scanner.make_scanner(
+    cast(Any, json.JSONDecoder())
+)
 
 
 class ReturnOf:

@@ -56,7 +56,7 @@ class Claim:
     """Claim the key (answer: a :class:`Snapshot`)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per call: not frozen (see CallPlan)
 class Write:
     """Apply a guarded write (answer: a :class:`Snapshot`).
 
@@ -75,7 +75,7 @@ class Wait:
     timeout: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per call: not frozen (see CallPlan)
 class Run:
     """Run the tool once as the owner of ``fence``, renewing the lease (answer: :class:`Ran`).
 
@@ -88,7 +88,7 @@ class Run:
     trusted_until: float = math.inf
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per call: not frozen (see CallPlan)
 class Ran:
     """How one run of the tool ended.
 

@@ -56,6 +56,7 @@ class Guard:
     """
 
     __slots__ = (
+        "_fingerprint_head",
         "_ignore_args",
         "_keep_args",
         "_key_args",
@@ -97,6 +98,12 @@ class Guard:
         for option, bound in (("max_arg_bytes", max_arg_bytes), ("max_arg_depth", max_arg_depth)):
             if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
                 raise ValueError(f"{option}= must be a whole number of at least 1")
+        try:
+            self._fingerprint_head = f"{policy.tool}:".encode()  # hashed before every call's text
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"a tool name must have a UTF-8 form (it holds a lone surrogate): {policy.tool!r}"
+            ) from None
         self._ledger = ledger
         self.policy = policy
         self.recorded = recorded
@@ -116,7 +123,7 @@ class Guard:
             recorded,
             reconcile,
             self._runtime,
-            self._plan,
+            self._plan_keeping if keep_args else self._plan,  # (one call fewer)
             self._nesting,
         )
 
@@ -359,12 +366,10 @@ class Guard:
             text, data = _canonical(bound.keyed, self._max_depth, self._max_bytes)
             body = text.encode() if data is None else data
             if bound.keyed is bound.fingerprinted:
-                digest = hashlib.sha256(f"{name}:".encode())
-                digest.update(body)
-                fingerprint = digest.hexdigest()
+                fingerprint = hashlib.sha256(self._fingerprint_head + body).hexdigest()
             else:
                 fingerprint = canonical_digest(
-                    bound.fingerprinted, f"{name}:".encode(), max_depth=self._max_depth
+                    bound.fingerprinted, self._fingerprint_head, max_depth=self._max_depth
                 )
             if bound.explicit_key is not None:
                 key = bound.explicit_key
@@ -373,9 +378,7 @@ class Guard:
                     head = f"{scope}:{name}:".encode()
                 except UnicodeEncodeError:
                     raise UnkeyableValue("scope", f"contains a lone surrogate: {scope!r}") from None
-                digest = hashlib.sha256(head)
-                digest.update(body)
-                key = digest.hexdigest()
+                key = hashlib.sha256(head + body).hexdigest()
         except UnkeyableArgument as refusal:
             if refusal.bound is None:
                 raise

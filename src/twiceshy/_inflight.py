@@ -27,7 +27,12 @@ log = logging.getLogger("twiceshy")
 
 
 class Flight:
-    """One execution of an intent in this process, which duplicates join (threads and tasks)."""
+    """One execution of an intent in this process, which duplicates join (threads and tasks).
+
+    Most flights land with no caller joined: what a waiter needs (the lock a blocking waiter
+    sleeps on, the list of async waiters) is made only when one comes. A flight shares the lock
+    of its :class:`Flights`, held only for a few attribute moves.
+    """
 
     __slots__ = (
         "_done",
@@ -40,31 +45,40 @@ class Flight:
         "fingerprint",
     )
 
-    def __init__(self, fingerprint: str) -> None:
+    def __init__(self, fingerprint: str, lock: threading.Lock) -> None:
         self.fingerprint = fingerprint
         # The event loop running where the flight began, if any: the leader may need it.
         self._loop = asyncio._get_running_loop()
-        # Held until the flight lands: a blocking waiter acquires it (and passes it on at once).
-        # A bare lock is much cheaper to make than an Event, and most flights have no waiter.
-        self._done = threading.Lock()
-        self._done.acquire()
-        self._lock = threading.Lock()
+        self._lock = lock
+        # Held until the flight lands, once a blocking waiter made it: each waiter acquires it
+        # and passes it on at once.
+        self._done: threading.Lock | None = None
         self._landed = False
         self._value: Any = None
         self._error: BaseException | None = None
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] | None = None
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        """Record the outcome (under the lock); :meth:`_wake` follows, outside it."""
+        self._value, self._error = value, error
+        self._landed = True
+
+    def _wake(self) -> None:
+        """Wake every joined caller of a settled flight."""
+        with self._lock:
+            done, waiters, self._waiters = self._done, self._waiters, None
+        if done is not None:
+            done.release()
+        for loop, future in waiters or ():
+            # A waiter's loop may be closed by now: nobody is left to wake there.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, future)
 
     def land(self, value: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome and wake every joined caller."""
         with self._lock:
-            self._value, self._error = value, error
-            self._landed = True
-            waiters, self._waiters = self._waiters, []
-        self._done.release()
-        for loop, future in waiters:
-            # A waiter's loop may be closed by now: nobody is left to wake there.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve, future)
+            self._settle(value, error)
+        self._wake()
 
     def wait(self, timeout: float) -> bool:
         """Block until the flight lands; ``False`` on timeout.
@@ -76,9 +90,16 @@ class Flight:
             return True
         if self._loop is not None and self._loop is asyncio._get_running_loop():
             return False
-        if not self._done.acquire(timeout=max(timeout, 0.0)):
+        with self._lock:
+            if self._landed:
+                return True
+            done = self._done
+            if done is None:
+                done = self._done = threading.Lock()
+                done.acquire()
+        if not done.acquire(timeout=max(timeout, 0.0)):
             return False
-        self._done.release()
+        done.release()
         return True
 
     async def wait_async(self, timeout: float) -> bool:
@@ -89,6 +110,8 @@ class Flight:
         with self._lock:
             if self._landed:
                 return True
+            if self._waiters is None:
+                self._waiters = []
             self._waiters.append(waiter)
         try:
             await asyncio.wait_for(future, max(timeout, 0.0))
@@ -96,7 +119,7 @@ class Flight:
             return False
         finally:
             with self._lock:  # timed out or cancelled: the flight must not wake this loop later
-                if waiter in self._waiters:
+                if self._waiters is not None and waiter in self._waiters:
                     self._waiters.remove(waiter)
         return True
 
@@ -130,21 +153,27 @@ class Flights:
 
     def join(self, namespace: str, key: str, fingerprint: str) -> tuple[Flight, bool]:
         """The flight of a key, and whether this caller leads it (runs the protocol)."""
+        name = (namespace, key)
         with self._lock:
-            flight = self._flights.get((namespace, key))
+            flight = self._flights.get(name)
             if flight is not None:
                 return flight, False
-            flight = self._flights[(namespace, key)] = Flight(fingerprint)
+            flight = self._flights[name] = Flight(fingerprint, self._lock)
             return flight, True
 
     def land(
         self, namespace: str, key: str, flight: Flight, value: Any, error: BaseException | None
     ) -> None:
         """Finish a flight: later callers go to the ledger again."""
+        name = (namespace, key)
         with self._lock:
-            if self._flights.get((namespace, key)) is flight:
-                del self._flights[(namespace, key)]
-        flight.land(value, error)
+            if self._flights.get(name) is flight:
+                del self._flights[name]
+            flight._value, flight._error = value, error  # flight._settle(), written out
+            flight._landed = True
+            if flight._done is None and flight._waiters is None:
+                return  # nobody joined: nobody to wake
+        flight._wake()
 
 
 @dataclass(eq=False, slots=True)
@@ -165,6 +194,8 @@ class Renewal:
     lost: bool = False
     stopped: bool = False
     seq: int = field(default=0)
+    #: How many entries of the heartbeat's heap are this lease's (0 while it is being renewed).
+    queued: int = 0
 
 
 class Heartbeat:
@@ -175,12 +206,17 @@ class Heartbeat:
     own, so a slow or hung store write delays only its own lease, never the other calls'. A
     renewal refused by the store (a newer fence) marks the call as fenced out; a store error is
     logged and retried at the next beat.
+
+    A call that ends leaves its entry in the heap only while the entries of ended calls are at
+    most half of it: past that they are all dropped at once, so a burst of calls leaves nothing
+    behind when it ends, and each end costs O(1) on average.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Renewal]] = []
+        self._ended = 0  # entries of the heap whose call has ended
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         # When the loop wakes by itself next (monotonic); -inf while it is awake. A new lease
@@ -195,6 +231,7 @@ class Heartbeat:
         # The condition's lock may be held by the parent's heartbeat thread, absent here.
         self._cond = threading.Condition()
         self._heap = []
+        self._ended = 0
         self._thread = None
         self._wake_at = -math.inf
 
@@ -243,9 +280,18 @@ class Heartbeat:
             job.due = time.monotonic() + job.lease / 3
             self._schedule(job)
 
+    @property
+    def leases(self) -> int:
+        """How many leases the heartbeat holds: the running calls', and as many ended at most."""
+        with self._cond:
+            return len(self._heap)
+
     def _schedule(self, job: Renewal) -> None:
         """Put ``job`` on the heap for its ``due`` time; start or wake the thread if needed."""
         with self._cond:
+            if job.stopped:
+                return  # ended while it was being renewed
+            job.queued += 1
             job.seq = next(self._seq)
             heapq.heappush(self._heap, (job.due, job.seq, job))
             if self._thread is None or not self._thread.is_alive():
@@ -257,14 +303,26 @@ class Heartbeat:
                 self._cond.notify()
 
     def stop(self, job: Renewal) -> None:
-        """Stop renewing a lease (the heap drops it lazily)."""
-        job.stopped = True
+        """Stop renewing a lease; its entry goes at the latest once ended ones are half the heap."""
+        with self._cond:
+            if job.stopped:
+                return
+            job.stopped = True
+            self._ended += job.queued
+            if 2 * self._ended > len(self._heap):
+                for _, _, ended in self._heap:
+                    if ended.stopped:
+                        ended.queued = 0
+                self._heap = [entry for entry in self._heap if not entry[2].stopped]
+                heapq.heapify(self._heap)
+                self._ended = 0
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while self._heap and self._heap[0][2].stopped:
-                    heapq.heappop(self._heap)
+                    heapq.heappop(self._heap)[2].queued -= 1
+                    self._ended -= 1
                 if not self._heap:
                     # Idle: wait a while for work, then let the thread end.
                     self._wake_at = time.monotonic() + _IDLE
@@ -282,6 +340,7 @@ class Heartbeat:
                     self._wake_at = -math.inf
                     continue
                 heapq.heappop(self._heap)
+                job.queued -= 1
             # Off this thread: the next due lease must not wait for this one's round trip.
             threading.Thread(
                 target=self._beat, args=(job,), name="twiceshy-renewal", daemon=True

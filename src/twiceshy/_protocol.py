@@ -182,10 +182,14 @@ class Policy:
     key_window: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class CallPlan:
     """One call: its tool's policy, the names it goes by in the ledger, and the arguments its
-    claim keeps (canonical JSON text, a marker of their size, or ``None``: none kept)."""
+    claim keeps (canonical JSON text, a marker of their size, or ``None``: none kept).
+
+    Never changed once made; not frozen only because it is made for every call, and a frozen
+    dataclass pays a ``setattr`` per field to be made.
+    """
 
     policy: Policy
     namespace: str
@@ -271,7 +275,7 @@ def describe(error: BaseException, wrappers: tuple[type[BaseException], ...] = (
     return f"{name}: {text}" if text else name
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # made per call: not frozen (see CallPlan)
 class _Kept:
     """The outcome of this call's own run, whose write the record refused.
 

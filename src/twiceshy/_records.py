@@ -76,6 +76,8 @@ class Outcome(enum.Enum):
     #: The ledger failed (``StoreError``); the error says whether the tool had run.
     STORE_ERROR = "store_error"
 
+    __hash__ = object.__hash__  # as Effect's
+
     @property
     def replayed(self) -> bool:
         """Whether the call was answered without running the tool itself: an earlier call's

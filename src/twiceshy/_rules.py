@@ -38,6 +38,8 @@ class Actor(enum.Enum):
     OWNER = "the owner of the fence"
     RECONCILER = "a reconciler"
 
+    __hash__ = object.__hash__  # as Effect's: identity, cheaper than Enum's
+
 
 _C, _S, _F, _R, _U = State.CLAIMED, State.SUCCEEDED, State.FAILED, State.RELEASED, State.UNKNOWN
 
@@ -71,6 +73,8 @@ class Found(enum.Enum):
     RELEASED = "released"
     UNKNOWN = "unknown"
 
+    __hash__ = object.__hash__  # as Effect's: identity, cheaper than Enum's
+
 
 class Answer(enum.Enum):
     """What a call does with the record it found."""
@@ -82,6 +86,8 @@ class Answer(enum.Enum):
     MARK_UNKNOWN = "mark it unknown: its owner stopped, and may have taken effect"
     WAIT = "wait for its outcome (bounded by wait=), then InProgress"
     REFUSE = "raise OutcomeUnknown: never run again by itself"
+
+    __hash__ = object.__hash__  # as Effect's: identity, cheaper than Enum's
 
 
 _EVERY: Final = tuple(Effect)
@@ -115,6 +121,8 @@ class Ending(enum.Enum):
     INTERRUPTED = "it was interrupted (a cancelled task, Ctrl-C): it may have taken effect"
     INTERRUPTED_EARLY = "it was interrupted before its point of no return"
 
+    __hash__ = object.__hash__  # as Effect's: identity, cheaper than Enum's
+
 
 class Then(enum.Enum):
     """What the caller gets once the owner's write is done."""
@@ -123,6 +131,8 @@ class Then(enum.Enum):
     RAISE = "the tool's own exception (or the interruption)"
     RAISE_UNKNOWN = "OutcomeUnknown, raised from the tool's exception"
     RETRY = "nothing yet: the owner renews its lease, counts the attempt and runs again"
+
+    __hash__ = object.__hash__  # as Effect's: identity, cheaper than Enum's
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from ._forks import reset_in_children
 from ._inflight import Flights, Heartbeat
 from ._memo import Remembered
 from ._protocol import describe
@@ -40,7 +41,9 @@ class Runtime:
     """
 
     __slots__ = (
+        "__weakref__",
         "_owner_count",
+        "_owner_head",
         "_owner_prefix",
         "arounds",
         "async_store",
@@ -73,6 +76,12 @@ class Runtime:
         self.arounds: tuple[Callable[[str, Effect], Any], ...] = ()
         self._owner_prefix = secrets.token_hex(8)
         self._owner_count = itertools.count(1)
+        self._owner_head = f"{self._owner_prefix}.{os.getpid()}."
+        reset_in_children(self)
+
+    def _after_fork_in_child(self) -> None:
+        # Owner tokens name the process: a child's never equal its parent's.
+        self._owner_head = f"{self._owner_prefix}.{os.getpid()}."
 
     def observe(self, observer: Observer) -> None:
         """Tell ``observer`` of every call (and enter its ``around``, if it has one)."""
@@ -83,7 +92,7 @@ class Runtime:
 
     def owner_token(self) -> str:
         """A token no other call shares: this ledger's random prefix, the process, a counter."""
-        return f"{self._owner_prefix}.{os.getpid()}.{next(self._owner_count)}"
+        return f"{self._owner_head}{next(self._owner_count)}"
 
     def answered(
         self,

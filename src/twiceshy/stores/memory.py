@@ -38,13 +38,18 @@ class MemoryStore:
         self._clock = clock
         self._records: dict[tuple[str, str], Record] = {}
         self._counts: dict[tuple[str, str, str], int] = {}
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        # Waiters sleep on the condition; the writers wake them only when there are any.
+        self._changed = threading.Condition(self._lock)
+        self._waiting = 0
         reset_in_children(self)
 
     def _after_fork_in_child(self) -> None:
         # The child keeps a copy of the records (a ledger of its own from now on); the lock
         # may have been held by a parent's thread at the fork, and that thread is not here.
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._waiting = 0
 
     def _live(self, namespace: str, key: str, now: float) -> Record | None:
         record = self._records.get((namespace, key))
@@ -65,7 +70,7 @@ class MemoryStore:
         args: str | None = None,
     ) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.claim`."""
-        with self._changed:
+        with self._lock:
             now = self._clock()
             existing = self._records.get((namespace, key))
             if existing is not None and is_live(existing, now):
@@ -85,31 +90,33 @@ class MemoryStore:
                 args=args,
             )
             self._records[(namespace, key)] = record
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
             return Snapshot(record, now, True)
 
     def write(self, namespace: str, key: str, change: Change) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.write`."""
-        with self._changed:
+        with self._lock:
             now = self._clock()
             record = self._live(namespace, key, now)
             if record is None or not guard_holds(record, change, now):
                 return Snapshot(record, now, False)
             record = apply_change(record, change, now)
             self._records[(namespace, key)] = record
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
             return Snapshot(record, now, True)
 
     def get(self, namespace: str, key: str) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.get`."""
-        with self._changed:
+        with self._lock:
             now = self._clock()
             return Snapshot(self._live(namespace, key, now), now)
 
     def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.wait`."""
         deadline = time.monotonic() + max(timeout, 0.0)
-        with self._changed:
+        with self._lock:
             while True:
                 now = self._clock()
                 record = self._live(namespace, key, now)
@@ -118,7 +125,11 @@ class MemoryStore:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return Snapshot(record, now)
-                self._changed.wait(left)
+                self._waiting += 1
+                try:
+                    self._changed.wait(left)
+                finally:
+                    self._waiting -= 1
 
     def records(
         self,
@@ -130,7 +141,7 @@ class MemoryStore:
     ) -> list[Record]:
         """See :meth:`twiceshy.stores.Store.records`."""
         wanted = frozenset(states) if states is not None else None
-        with self._changed:
+        with self._lock:
             now = self._clock()
             found = [
                 r
@@ -145,7 +156,7 @@ class MemoryStore:
 
     def purge_expired(self, namespace: str | None = None) -> int:
         """See :meth:`twiceshy.stores.Store.purge_expired`."""
-        with self._changed:
+        with self._lock:
             now = self._clock()
             dead = [
                 k
@@ -158,7 +169,7 @@ class MemoryStore:
 
     def expired(self, namespace: str | None = None) -> list[Record]:
         """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
-        with self._changed:
+        with self._lock:
             now = self._clock()
             return [
                 r
@@ -168,14 +179,14 @@ class MemoryStore:
 
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
         """See :meth:`twiceshy.stores.CallCounts.add_counts`."""
-        with self._changed:
+        with self._lock:
             for (tool, outcome), n in counts.items():
                 key = (namespace, tool, outcome)
                 self._counts[key] = self._counts.get(key, 0) + n
 
     def counts(self, namespace: str) -> dict[tuple[str, str], int]:
         """See :meth:`twiceshy.stores.CallCounts.counts`."""
-        with self._changed:
+        with self._lock:
             return {(t, o): n for (ns, t, o), n in self._counts.items() if ns == namespace}
 
     def close(self) -> None:
