@@ -108,15 +108,15 @@ def test_lease_deadline_is_on_the_server_clock(pg: tuple[str, str]) -> None:
 
 
 def test_schema_version_is_checked(pg: tuple[str, str]) -> None:
-    """The meta table records schema version 3; a version this twiceshy does not know is refused."""
+    """The meta table records schema version 4; a version this twiceshy does not know is refused."""
     url, schema = pg
     PostgresStore(url, schema=schema, table="ledger").close()
     with psycopg.connect(url, autocommit=True) as conn:
         meta = sql.Identifier(schema, "ledger_meta")
         row = conn.execute(sql.SQL("SELECT value FROM {}").format(meta)).fetchone()
-        assert row == ("3",)
-        conn.execute(sql.SQL("UPDATE {} SET value = '4'").format(meta))
-    with pytest.raises(StoreError, match="schema version '4'"):
+        assert row == ("4",)
+        conn.execute(sql.SQL("UPDATE {} SET value = '5'").format(meta))
+    with pytest.raises(StoreError, match="schema version '5'"):
         PostgresStore(url, schema=schema, table="ledger")
 
 
@@ -152,8 +152,8 @@ def _make_version_1(url: str, schema: str) -> dict[str, sql.Identifier]:
 
 
 def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str]) -> None:
-    """Opening a version 1 table moves it to version 3: new listing index, counts, the
-    arguments column, same records."""
+    """Opening a version 1 table moves it to version 4: new listing index, counts, the
+    arguments column, the waiters' flag, same records."""
     url, schema = pg
     names = _make_version_1(url, schema)
     store = PostgresStore(url, schema=schema, table="ledger")
@@ -190,7 +190,11 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_records(pg: tuple[str, str
                 (schema,),
             )
         }
-    assert version == ("3",)
+        watched = conn.execute(
+            sql.SQL("SELECT key, watched FROM {t} ORDER BY key").format(**names)
+        ).fetchall()
+    assert version == ("4",)
+    assert watched == [("k1", False), ("k2", False)]
     assert indexes == {"ledger_pkey", "ledger_by_time", "ledger_by_expiry"}
     PostgresStore(url, schema=schema, table="ledger").close()  # opening it again changes nothing
 
@@ -247,7 +251,7 @@ def test_create_false_migrates_a_version_1_ledger(pg: tuple[str, str]) -> None:
     assert tables(url, schema) == {"ledger", "ledger_meta", "ledger_counts"}
     with psycopg.connect(url, autocommit=True) as conn:
         version = conn.execute(sql.SQL("SELECT value FROM {meta}").format(**names)).fetchone()
-    assert version == ("3",)
+    assert version == ("4",)
 
 
 def test_a_key_lookup_uses_the_primary_key_on_a_young_table(pg: tuple[str, str]) -> None:

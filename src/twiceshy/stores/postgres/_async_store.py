@@ -23,9 +23,19 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from ..._records import Change, Record, Snapshot
 from ...errors import StoreError
 from . import _ops
-from ._errors import closed, store_error, unreachable
+from ._errors import closed, pool_exhausted, store_error, unreachable
 from ._listener import Waiters, listen
-from ._ops import MAX_STEPS, WAIT_STEPS, ClaimArgs, Drive, Pause, RecordsFilter, Rows, Step
+from ._ops import (
+    MAX_STEPS,
+    SCHEMA_STEPS,
+    WAIT_STEPS,
+    ClaimArgs,
+    Drive,
+    Pause,
+    RecordsFilter,
+    Rows,
+    Step,
+)
 from ._settings import Configured
 
 log = logging.getLogger("twiceshy")
@@ -210,6 +220,7 @@ class AsyncPostgresStore(Configured):
                         configure=not self._pooled,
                     ),
                     lambda step: _fetch(conn, step),
+                    SCHEMA_STEPS,
                 )
             self._schema_ready = True
         # On a timeout psycopg closes the pool.
@@ -232,8 +243,11 @@ class AsyncPostgresStore(Configured):
     async def _execute(self, pool: _Pool, step: Step) -> _Answer:
         # As in the blocking store: getconn/putconn, autocommit, so no commit-on-exit.
         try:
-            conn = await pool.getconn(timeout=self._settings.connect_timeout)
-        except (PoolTimeout, PoolClosed) as exc:
+            conn = await pool.getconn(timeout=self._settings.pool_timeout)
+        except PoolTimeout as exc:
+            s = self._settings
+            raise pool_exhausted(s.where, s.max_size, s.pool_timeout) from exc
+        except PoolClosed as exc:
             raise store_error(exc) from exc
         try:
             answer = await _fetch(conn, step)
@@ -307,7 +321,15 @@ class AsyncPostgresStore(Configured):
                 )
             recheck, listening = self._settings.recheck, state.ready.is_set
             waiting = _ops.wait_op(
-                self._st, self._now, namespace, key, fence, deadline, recheck, listening
+                self._st,
+                self._now,
+                namespace,
+                key,
+                fence,
+                deadline,
+                recheck,
+                listening,
+                mark=self._listens,
             )
             return await _drive(waiting, execute, WAIT_STEPS)
         finally:

@@ -30,6 +30,19 @@ def unreachable(where: str, exc: psycopg.Error) -> StoreUnavailable:
     return StoreUnavailable(f"PostgreSQL ledger at {where} cannot be reached: {exc}")
 
 
+def pool_exhausted(where: str, size: int, timeout: float) -> StoreUnavailable:
+    """The error for a statement that found no free connection in the pool in time.
+
+    Raised before the statement is sent: nothing was claimed or written.
+    """
+    return StoreUnavailable(
+        f"PostgreSQL ledger at {where}: no connection of the pool was free within "
+        f"pool_timeout={timeout:g} s (all pool_size={size} busy, or the server cannot be "
+        "reached); nothing was sent. Raise pool_size= in the ledger URL (within the server's "
+        "max_connections), or pool_timeout= to let bursts wait longer."
+    )
+
+
 def closed() -> StoreError:
     """The error for a store used after :meth:`close`."""
     return StoreError("PostgreSQL ledger is closed")

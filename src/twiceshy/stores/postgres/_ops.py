@@ -39,6 +39,7 @@ Now = Callable[[], float | None]
 
 ROUNDS: Final = 3  # a claim or write: at most one lost connection and one fresh look
 MAX_STEPS: Final = 8
+SCHEMA_STEPS: Final = 16  # opening: a look, the tables, and each migration with its check
 MAX_WAIT_ROUNDS: Final = 100_000
 WAIT_STEPS: Final = 3 * MAX_WAIT_ROUNDS  # a round of a wait: a read (two steps at most), a pause
 POLL_FIRST: Final = 0.005  # polling while no listener is connected: 5 ms doubling to 250 ms
@@ -254,6 +255,10 @@ def schema_op(st: Statements, where: str, *, create: bool, configure: bool = Tru
         yield Step(st.migrate_2_3, rows=False)
         rows = yield Step(st.version)
         found = rows[0][0] if rows else None
+    if found == "3":
+        yield Step(st.migrate_3_4, rows=False)
+        rows = yield Step(st.version)
+        found = rows[0][0] if rows else None
     if found != str(SCHEMA_VERSION):
         raise StoreError(
             f"PostgreSQL ledger {st.names['t']} has schema version {found!r}; this twiceshy "
@@ -409,6 +414,27 @@ def counts_op(st: Statements, namespace: str) -> Op[dict[tuple[str, str], int]]:
     return {(tool, outcome): int(n) for tool, outcome, n in rows}
 
 
+def mark_op(st: Statements, now: Now, namespace: str, key: str, fence: int) -> Op[Snapshot | None]:
+    """Mark the claim under ``fence`` as waited for, so that its outcome write notifies.
+
+    Answers the record when the answer is current: the mark applied, or the record was marked
+    already, or it is settled. ``None`` when the record showed the claim unmarked and the mark
+    did not apply: a write settled it meanwhile, which a fresh read shows.
+    """
+    rows = yield from retrying(
+        lambda: Step(st.mark, {"namespace": namespace, "key": key, "fence": fence, "now": now()})
+    )
+    if len(rows) != 1 or len(rows[0]) != 3 + COLUMN_COUNT:
+        raise StoreError("PostgreSQL ledger: unexpected answer to a mark")
+    at, marked, watched = float(rows[0][0]), bool(rows[0][1]), bool(rows[0][2])
+    record = record_of(rows[0][3:])
+    if marked:
+        return Snapshot(record, at)
+    if record is not None and record.state is State.CLAIMED and record.fence == fence:
+        return Snapshot(record, at) if watched else None
+    return Snapshot(record if record is not None and is_live(record, at) else None, at)
+
+
 def wait_op(
     st: Statements,
     now: Now,
@@ -418,18 +444,25 @@ def wait_op(
     deadline: float,
     recheck: float,
     listening: Callable[[], bool],
+    mark: bool = True,
 ) -> WaitOp[Snapshot]:
     """Read the record until it leaves "CLAIMED under ``fence``" or ``deadline`` passes.
 
-    Between reads it pauses: ``recheck`` seconds while ``listening()`` (a notification ends the
-    pause sooner), otherwise polling from 5 ms doubling to 250 ms. The store clears its wake-up
-    flag before every read, so a notification that arrives after a read ends the next pause at
-    once.
+    With ``mark`` (waiters woken by ``LISTEN``) the first read marks the claim (:func:`mark_op`),
+    so that the write that settles it notifies; the store registered the waiter first, and a
+    listener that was not yet listening wakes every waiter once it is. Between reads it pauses:
+    ``recheck`` seconds while ``listening()`` (a notification ends the pause sooner), otherwise
+    polling from 5 ms doubling to 250 ms. The store clears its wake-up flag before every
+    statement, so a notification that arrives after one ends the next pause at once.
     """
     poll = POLL_FIRST
     snap: Snapshot | None = None
+    first = (yield from mark_op(st, now, namespace, key, fence)) if mark else None
     for _ in range(MAX_WAIT_ROUNDS):
-        snap = yield from get_op(st, now, namespace, key)
+        if first is not None:
+            snap, first = first, None
+        else:
+            snap = yield from get_op(st, now, namespace, key)
         record = snap.record
         if record is None or record.state is not State.CLAIMED or record.fence != fence:
             return snap

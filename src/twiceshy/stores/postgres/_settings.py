@@ -39,6 +39,11 @@ TCP_DEFAULTS: Final[Mapping[str, int]] = {
 #: by name), ``LISTEN`` in any case, or re-reads with backoff only.
 WAKEUPS: Final = ("auto", "listen", "poll")
 
+#: The most connections a pool opens (``pool_size=``), and how long a statement waits for one
+#: of them to be free when all are in use (``pool_timeout=``, seconds) before the call fails.
+POOL_SIZE: Final = 10
+POOL_TIMEOUT: Final = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Settings:
@@ -52,6 +57,8 @@ class Settings:
     min_size: int
     max_size: int
     connect_timeout: float
+    #: How long a statement waits for a free connection of the pool.
+    pool_timeout: float
     recheck: float
     wakeups: str
     #: ``host:port/dbname``, for messages (never the password).
@@ -67,17 +74,18 @@ class Settings:
         min_size: int,
         max_size: int,
         connect_timeout: float,
+        pool_timeout: float,
         application_name: str,
         wait_recheck: float,
         wakeups: str,
     ) -> Settings:
         """Check the arguments and derive the connection parameters."""
         if min_size < 0 or max_size < max(min_size, 1):
-            raise ValueError("need 0 <= min_size <= max_size and max_size >= 1")
+            raise ValueError("need 0 <= min_size <= pool_size and pool_size >= 1")
         if wakeups not in WAKEUPS:
             raise ValueError(f"wakeups= must be one of {', '.join(WAKEUPS)}, not {wakeups!r}")
-        if connect_timeout <= 0 or wait_recheck <= 0:
-            raise ValueError("connect_timeout= and wait_recheck= must be positive")
+        if not (connect_timeout > 0 and wait_recheck > 0 and pool_timeout > 0):
+            raise ValueError("connect_timeout=, pool_timeout= and wait_recheck= must be positive")
         try:
             parts = conninfo_to_dict(url)
         except psycopg.Error as exc:
@@ -101,6 +109,7 @@ class Settings:
             min_size=min_size,
             max_size=max_size,
             connect_timeout=float(connect_timeout),
+            pool_timeout=float(pool_timeout),
             recheck=float(wait_recheck),
             wakeups=wakeups,
             where=where,
@@ -113,7 +122,7 @@ class Settings:
             "min_size": self.min_size,
             "max_size": self.max_size,
             "open": False,
-            "timeout": self.connect_timeout,
+            "timeout": self.pool_timeout,
             "name": f"twiceshy:{self.schema}.{self.table}",
         }
 
@@ -142,20 +151,26 @@ class Configured:
         table: str = "records",
         clock: Callable[[], float] | None = None,
         min_size: int = 1,
-        max_size: int = 10,
+        pool_size: int | None = None,
+        pool_timeout: float = POOL_TIMEOUT,
         connect_timeout: float = 5.0,
         application_name: str = "twiceshy",
         wait_recheck: float = 1.0,
         wakeups: str = "auto",
         create: bool = True,
+        max_size: int | None = None,
     ) -> None:
+        if pool_size is not None and max_size is not None:
+            raise ValueError("pool_size= and max_size= are one setting: give pool_size= alone")
+        size = pool_size if pool_size is not None else max_size
         self._settings = Settings.make(
             url,
             schema=schema,
             table=table,
             min_size=min_size,
-            max_size=max_size,
+            max_size=POOL_SIZE if size is None else size,
             connect_timeout=connect_timeout,
+            pool_timeout=pool_timeout,
             application_name=application_name,
             wait_recheck=wait_recheck,
             wakeups=wakeups,

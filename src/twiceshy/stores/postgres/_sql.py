@@ -17,11 +17,12 @@ from psycopg import sql
 
 from ..._records import FINAL_STATES, Effect, State
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 """The table layout this version reads. Version 1 had the listing index on (namespace,
 created_at), which the planner could pick for a key lookup on a young table (scanning the whole
 namespace); version 2 lists by (created_at) alone, so only the primary key serves a lookup;
-version 3 adds the column of each call's arguments (``args``)."""
+version 3 adds the column of each call's arguments (``args``); version 4 the flag a waiter sets
+on a claim it waits for (``watched``), so that only a write someone waits for notifies."""
 
 _COLUMNS: Final = (
     "namespace, key, fingerprint, tool, effect, state, fence, owner, lease_deadline, attempts, "
@@ -82,6 +83,7 @@ CREATE TABLE IF NOT EXISTS {{t}} (
     updated_at     double precision NOT NULL,
     expires_at     double precision,
     args           text,
+    watched        boolean          NOT NULL DEFAULT false,
     PRIMARY KEY (namespace, key)
 );
 CREATE INDEX IF NOT EXISTS {{by_time}} ON {{t}} (created_at);
@@ -120,6 +122,16 @@ UPDATE {{meta}} SET value = '3' WHERE name = 'schema_version' AND value = '2';
 COMMIT;
 """
 
+# Version 3 to 4: the flag of a watched claim. A constant default is kept in the catalog
+# (PostgreSQL 11 and later): the table is not rewritten.
+_MIGRATE_3_4: Final = f"""
+BEGIN ISOLATION LEVEL READ COMMITTED;
+SELECT pg_advisory_xact_lock({_SCHEMA_LOCK});
+ALTER TABLE {{t}} ADD COLUMN IF NOT EXISTS watched boolean NOT NULL DEFAULT false;
+UPDATE {{meta}} SET value = '4' WHERE name = 'schema_version' AND value = '3';
+COMMIT;
+"""
+
 # Claim in one statement. ``cur`` reads the key's record in the statement's snapshot; only when
 # it shows no live record is the INSERT attempted, so a replay is a plain read (no row lock, no
 # transaction id, no WAL). The conflict clause replaces a record only when it is past its
@@ -152,7 +164,8 @@ ins AS (
         created_at     = excluded.created_at,
         updated_at     = excluded.updated_at,
         expires_at     = NULL,
-        args           = excluded.args
+        args           = excluded.args,
+        watched        = false
     WHERE t.expires_at IS NOT NULL AND t.expires_at <= excluded.created_at
     RETURNING {_COLUMNS}
 )
@@ -164,9 +177,13 @@ SELECT c.now, x.* FROM c LEFT JOIN (
 """
 
 # One guarded compare-and-set, setting exactly what ``apply_change`` sets; values that depend
-# only on the change are computed in Python (_ops.write_params). When it applies and the record
-# leaves "CLAIMED under this fence", pg_notify wakes the waiters when the write commits. When it
-# does not apply, the record is answered as the statement's snapshot shows it.
+# only on the change are computed in Python (_ops.write_params). When it applies, the record
+# leaves "CLAIMED under this fence" and a waiter has marked it (_MARK), pg_notify wakes the
+# waiters when the write commits. Only then: a notifying transaction takes a lock on the whole
+# database's notification queue at commit, which would serialize every outcome write. The
+# UPDATE reads ``watched`` in the row version it locks, so a mark committed before this write
+# is seen; a mark that comes after it finds the record settled. When the write does not apply,
+# the record is answered as the statement's snapshot shows it.
 _WRITE: Final = f"""
 WITH {_NOW},
 w AS (
@@ -191,13 +208,38 @@ w AS (
       AND (NOT %(lapsed)s OR t.lease_deadline <= c.now)
       AND (t.expires_at IS NULL OR t.expires_at > c.now)
     RETURNING {", ".join(f"t.{name}" for name in _COLUMNS.split(", "))},
-        CASE WHEN %(wake)s THEN pg_notify(%(channel)s, %(payload)s) END AS notified
+        CASE WHEN %(wake)s AND t.watched THEN pg_notify(%(channel)s, %(payload)s) END AS notified
 )
 SELECT c.now, x.* FROM c LEFT JOIN (
     SELECT true AS won, {_COLUMNS} FROM w
     UNION ALL
     SELECT false, {_COLUMNS} FROM {{t}}
     WHERE namespace = %(namespace)s AND key = %(key)s AND NOT EXISTS (SELECT FROM w)
+) AS x ON true
+"""
+
+# A waiter marks the claim it waits for, once it listens and before it reads: the owner's
+# outcome write then notifies. The mark applies only to the record still CLAIMED under the
+# waiter's fence and not marked yet (a second waiter writes nothing). The answer: whether it
+# applied, the flag and the record, as written, or else as the statement's snapshot shows them
+# (a write that settled the record while the mark waited for its row lock is not in that
+# snapshot: the waiter then reads again).
+_MARK: Final = f"""
+WITH {_NOW},
+m AS (
+    UPDATE {{t}} AS t SET watched = true
+    WHERE t.namespace = %(namespace)s
+      AND t.key = %(key)s
+      AND t.state = {_CLAIMED}
+      AND t.fence = %(fence)s
+      AND NOT t.watched
+    RETURNING {", ".join(f"t.{name}" for name in _COLUMNS.split(", "))}
+)
+SELECT c.now, x.* FROM c LEFT JOIN (
+    SELECT true AS won, true AS watched, {_COLUMNS} FROM m
+    UNION ALL
+    SELECT false, watched, {_COLUMNS} FROM {{t}}
+    WHERE namespace = %(namespace)s AND key = %(key)s AND NOT EXISTS (SELECT FROM m)
 ) AS x ON true
 """
 
@@ -282,8 +324,10 @@ class Statements:
     version: bytes
     migrate_1_2: bytes
     migrate_2_3: bytes
+    migrate_3_4: bytes
     claim: bytes
     write: bytes
+    mark: bytes
     get: bytes
     records: bytes
     purge: bytes
@@ -333,8 +377,10 @@ class Statements:
             version=render(_SELECT_VERSION, bound=False),
             migrate_1_2=render(_MIGRATE_1_2, bound=False),
             migrate_2_3=render(_MIGRATE_2_3, bound=False),
+            migrate_3_4=render(_MIGRATE_3_4, bound=False),
             claim=render(_CLAIM),
             write=render(_WRITE),
+            mark=render(_MARK),
             get=render(_GET),
             records=render(_RECORDS),
             purge=render(_PURGE),

@@ -20,9 +20,9 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ..._records import Change, Effect, Record, Snapshot, State
 from . import _ops
-from ._errors import closed, store_error, unreachable
+from ._errors import closed, pool_exhausted, store_error, unreachable
 from ._listener import Listener
-from ._ops import MAX_STEPS, WAIT_STEPS, Drive, Pause, Rows, Step
+from ._ops import MAX_STEPS, SCHEMA_STEPS, WAIT_STEPS, Drive, Pause, Rows, Step
 from ._settings import Configured
 
 log = logging.getLogger("twiceshy")
@@ -68,7 +68,10 @@ class PostgresStore(Configured):
         table: the records table; ``<table>_meta`` holds its schema version.
         clock: the store's clock for tests; ``None`` uses the server's clock.
         min_size: connections the pool keeps open.
-        max_size: the most connections the pool opens.
+        pool_size: the most connections the pool opens (10 by default); a statement finding
+            them all busy waits for one to be free.
+        pool_timeout: how long a statement waits for a free connection (10 s by default)
+            before the call raises :class:`~twiceshy.StoreUnavailable`, nothing sent.
         connect_timeout: seconds to wait for a connection (libpq rounds the connect itself up to
             whole seconds, at least 2; a ``connect_timeout`` in ``url`` sets libpq's instead).
         application_name: the ``application_name`` of every connection of this store, unless
@@ -80,6 +83,7 @@ class PostgresStore(Configured):
             even behind a pooler, for one in session mode).
         create: create the schema and tables where there are none; ``False`` to open only a
             ledger that exists (a version 1 ledger is still migrated, as on every open).
+        max_size: the older name of ``pool_size``.
 
     Raises:
         StoreUnavailable: the server cannot be reached.
@@ -109,6 +113,7 @@ class PostgresStore(Configured):
                     self._st, self._settings.where, create=create, configure=not self._pooled
                 ),
                 lambda step: _fetch(probe, step),
+                SCHEMA_STEPS,
             )
         self._pid = os.getpid()
         self._pool = self._new_pool()
@@ -159,8 +164,11 @@ class PostgresStore(Configured):
         # so the connection's own commit-on-exit has nothing to do, and costs ~10 us.
         # putconn() discards a connection left broken or inside a transaction.
         try:
-            conn = pool.getconn(timeout=self._settings.connect_timeout)
-        except (PoolTimeout, PoolClosed) as exc:
+            conn = pool.getconn(timeout=self._settings.pool_timeout)
+        except PoolTimeout as exc:
+            s = self._settings
+            raise pool_exhausted(s.where, s.max_size, s.pool_timeout) from exc
+        except PoolClosed as exc:
             raise store_error(exc) from exc
         try:
             answer = _fetch(conn, step)
@@ -247,7 +255,15 @@ class PostgresStore(Configured):
 
         recheck, listening = self._settings.recheck, listener.ready.is_set
         waiting = _ops.wait_op(
-            self._st, self._now, namespace, key, fence, deadline, recheck, listening
+            self._st,
+            self._now,
+            namespace,
+            key,
+            fence,
+            deadline,
+            recheck,
+            listening,
+            mark=self._listens,
         )
         try:
             return _drive(waiting, execute, WAIT_STEPS)

@@ -13,7 +13,9 @@ _URL_OPTIONS: Final = {
     "schema": str,
     "table": str,
     "min_size": int,
-    "max_size": int,
+    "pool_size": int,
+    "max_size": int,  # the older name of pool_size
+    "pool_timeout": float,
     "connect_timeout": float,
     "application_name": str,
     "wait_recheck": float,
@@ -46,9 +48,10 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
 def open_postgres(url: str, *, create: bool = True) -> tuple[PostgresStore, AsyncPostgresStore]:
     """Open the stores a ``postgresql://`` (or ``postgres://``) URL names.
 
-    Besides psycopg's own parameters the URL may carry ``schema``, ``table``, ``min_size``,
-    ``max_size``, ``connect_timeout``, ``application_name``, ``wait_recheck`` and ``wakeups``,
-    e.g. ``postgresql://app@db.internal/agents?schema=ledger&table=records``, or through
+    Besides psycopg's own parameters the URL may carry ``schema``, ``table``, ``pool_size``,
+    ``pool_timeout``, ``min_size``, ``connect_timeout``, ``application_name``,
+    ``wait_recheck`` and ``wakeups`` (``max_size`` is ``pool_size``'s older name), e.g.
+    ``postgresql://app@db.internal/agents?schema=ledger&table=records&pool_size=20``, or through
     PgBouncer ``postgresql://app@pgbouncer:6432/agents?wakeups=poll``.
 
     Args:

@@ -2,9 +2,10 @@
 
 :class:`RedisStore` is the blocking store, :class:`AsyncRedisStore` its ``redis.asyncio`` twin,
 and :func:`open_redis` opens both for one URL (``redis://``, ``rediss://`` or ``unix://``, with
-twiceshy's options ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval`` and
-``allow_eviction`` in its query). :class:`RedisClusterStore`, :class:`AsyncRedisClusterStore`
-and :func:`open_redis_cluster` are the same on a Redis Cluster
+twiceshy's options ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval``,
+``pool_size``, ``pool_timeout`` and ``allow_eviction`` in its query).
+:class:`RedisClusterStore`, :class:`AsyncRedisClusterStore` and :func:`open_redis_cluster` are
+the same on a Redis Cluster
 (``redis+cluster://host:port,host:port``, and ``failover_wait``). One record is one hash, in one
 slot of a cluster; a claim, a guarded write and a read
 are each one Lua script (:data:`CLAIM_SCRIPT`, :data:`WRITE_SCRIPT`, :data:`READ_SCRIPT`) in

@@ -141,7 +141,9 @@ class ClusterCore(Core):
     def _client_options(self, retry: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
         # The store decides what is sent again (see _ops._guarded): the cluster client
         # retries nothing itself; it still follows MOVED, ASK and TRYAGAIN, which ran nothing.
-        return {**self.connection_options(retry), **self._options}
+        # Each node's pool holds what the gate lets through, unless the URL sizes it itself.
+        sized = {"max_connections": self.pool_size}
+        return {**self.connection_options(retry), **sized, **self._options}
 
     @property
     def cluster(self) -> Any:

@@ -9,6 +9,7 @@ here, for a Redis Cluster in ``_cluster.py`` — is the part a subclass replaces
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from redis.retry import Retry
 
 from ..._forks import reset_in_children
 from ..._records import Change
-from ...errors import EvictionPolicyRefused, StoreError
+from ...errors import EvictionPolicyRefused, StoreError, StoreUnavailable
 from .. import redacted_url
 from ._lua import SCRIPTS
 from ._replies import decoded, store_error
@@ -35,9 +36,24 @@ from ._subscriber import PubSubConnection, Subscriber
 log = logging.getLogger("twiceshy")
 
 _URL_OPTIONS: Final = frozenset(
-    {"prefix", "wait_replicas", "wait_timeout", "reread_interval", "allow_eviction"}
+    {
+        "prefix",
+        "wait_replicas",
+        "wait_timeout",
+        "reread_interval",
+        "allow_eviction",
+        "pool_size",
+        "pool_timeout",
+    }
 )
-_SECONDS: Final = frozenset({"wait_timeout", "reread_interval", "failover_wait"})
+_SECONDS: Final = frozenset({"wait_timeout", "reread_interval", "failover_wait", "pool_timeout"})
+_COUNTS: Final = frozenset({"wait_replicas", "pool_size"})
+
+#: The most commands a store sends at once on one client (``pool_size=``; so the most
+#: connections of its pool), and how long a command waits for one of them to end when all are
+#: in flight (``pool_timeout=``, seconds) before the call fails.
+POOL_SIZE: Final = 100
+POOL_TIMEOUT: Final = 10.0
 _BOOLEANS: Final = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _SAFE_POLICY: Final = "noeviction"
 _GLOB_SPECIAL: Final = frozenset("*?[]\\")
@@ -68,6 +84,57 @@ def _opt(value: str | None) -> str:
 
 def _num(value: float | None) -> str:
     return "" if value is None else "=" + repr(float(value))
+
+
+class Gate:
+    """Admits at most ``pool_size`` commands of one client at once; the others wait their turn.
+
+    redis-py's own pool raises "Too many connections" past its size instead of waiting. With
+    the gate in front, the pool never reaches that: a command waits for a free place up to
+    ``pool_timeout``, then fails before it is sent (:meth:`Core.pool_exhausted`). A blocking
+    store has one gate for every thread; an async store one per event loop (:class:`AsyncGate`).
+    """
+
+    __slots__ = ("_free", "timeout")
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self._free = threading.Semaphore(size)
+        self.timeout = timeout
+
+    def enter(self) -> bool:
+        """Take a place; ``False`` when none was free within the timeout."""
+        return self._free.acquire(timeout=self.timeout)
+
+    def leave(self) -> None:
+        """Give the place back."""
+        self._free.release()
+
+
+class AsyncGate:
+    """:class:`Gate` for the commands of one event loop."""
+
+    __slots__ = ("_free", "timeout")
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self._free = asyncio.Semaphore(size)
+        self.timeout = timeout
+
+    async def enter(self) -> bool:
+        """Take a place; ``False`` when none was free within the timeout."""
+        free = self._free
+        if not free.locked():
+            await free.acquire()  # a free place: taken without suspending
+            return True
+        try:
+            async with asyncio.timeout(self.timeout):
+                await free.acquire()
+        except TimeoutError:
+            return False
+        return True
+
+    def leave(self) -> None:
+        """Give the place back."""
+        self._free.release()
 
 
 SyncClient: TypeAlias = redis.Redis | RedisCluster
@@ -110,7 +177,7 @@ def split_url(url: str, names: frozenset[str] = _URL_OPTIONS) -> tuple[str, dict
             options[name] = _BOOLEANS[value.lower()]
             continue
         try:
-            options[name] = int(value) if name == "wait_replicas" else value
+            options[name] = int(value) if name in _COUNTS else value
             if name in _SECONDS:
                 options[name] = float(value)
         except ValueError:
@@ -169,6 +236,8 @@ class Core:
         client_name: str | None,
         allow_eviction: bool,
         failover_wait: float | timedelta = 0.0,
+        pool_size: int = POOL_SIZE,
+        pool_timeout: float | timedelta = POOL_TIMEOUT,
     ) -> None:
         if set(dict(parse_qsl(urlsplit(url).query))) & self.url_options:
             raise ValueError(
@@ -179,6 +248,8 @@ class Core:
             raise ValueError(f"a Redis ledger prefix must not contain braces: {prefix!r}")
         if wait_replicas < 0:
             raise ValueError("wait_replicas= must not be negative")
+        if pool_size < 1:
+            raise ValueError("pool_size= must be at least 1")
         self.url = url
         self.prefix = prefix
         self.clock = clock
@@ -203,6 +274,11 @@ class Core:
         self.expiry_grace = 2 * self.socket_timeout + 1.0 + self.failover_wait
         self.client_name = client_name
         self.allow_eviction = allow_eviction
+        self.pool_size = pool_size
+        self.pool_timeout = _seconds(pool_timeout, "pool_timeout")
+        if self.pool_timeout <= 0:
+            raise ValueError("pool_timeout= must be positive")
+        self.gate = Gate(pool_size, self.pool_timeout)
         self.closed = False
         self._lock = threading.Lock()
         self._subscriber: Subscriber | None = None
@@ -229,7 +305,15 @@ class Core:
 
     def open_client(self) -> SyncClient:
         """The blocking client every store call goes through."""
-        self.pool = redis.ConnectionPool.from_url(self.url, **self.connection_options(Retry))
+        if "max_connections" in dict(parse_qsl(urlsplit(self.url).query)):
+            # redis-py's limit fails a command past it, where pool_size makes it wait.
+            raise ValueError(
+                f"Redis ledger URL {self.safe_url}: give the pool's size as pool_size=, "
+                "not max_connections="
+            )
+        self.pool = redis.ConnectionPool.from_url(
+            self.url, max_connections=self.pool_size, **self.connection_options(Retry)
+        )
         return redis.Redis(connection_pool=self.pool)
 
     def servers(self) -> list[tuple[str, redis.Redis]]:
@@ -249,7 +333,7 @@ class Core:
     def async_client(self) -> AsyncClient:
         """A new async client, for one event loop."""
         pool = redis.asyncio.ConnectionPool.from_url(
-            self.url, **self.connection_options(AsyncRetry)
+            self.url, max_connections=self.pool_size, **self.connection_options(AsyncRetry)
         )
         return redis.asyncio.Redis.from_pool(pool)
 
@@ -377,6 +461,21 @@ class Core:
 
     # -- open or closed, and the subscriber ----------------------------------------------------
 
+    def async_gate(self) -> AsyncGate:
+        """A new gate, for the client of one event loop."""
+        return AsyncGate(self.pool_size, self.pool_timeout)
+
+    def pool_exhausted(self) -> StoreUnavailable:
+        """The error for a command that found no free place within ``pool_timeout``.
+
+        Raised before the command is sent: nothing was claimed or written.
+        """
+        return StoreUnavailable(
+            f"Redis ledger {self.safe_url}: all pool_size={self.pool_size} connections stayed "
+            f"busy for pool_timeout={self.pool_timeout:g} s; nothing was sent. Raise pool_size= "
+            "in the ledger URL, or pool_timeout= to let bursts wait longer."
+        )
+
     def check_open(self) -> None:
         if self.closed:
             raise StoreError(f"Redis ledger {self.safe_url} is closed")
@@ -390,6 +489,7 @@ class Core:
         """
         self._lock = threading.Lock()
         self._subscriber = None
+        self.gate = Gate(self.pool_size, self.pool_timeout)  # a parent's thread may hold places
 
     def subscriber(self) -> Subscriber:
         with self._lock:

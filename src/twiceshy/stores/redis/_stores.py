@@ -28,8 +28,8 @@ from ..._forks import reset_in_children
 from ..._records import Snapshot
 from . import _ops
 from ._cluster import ClusterCore, async_one_node, one_node, split_cluster_url
-from ._core import AsyncClient, Core, SyncClient, split_url
-from ._ops import Batch, Op, Scan, Sleep, Step
+from ._core import POOL_SIZE, POOL_TIMEOUT, AsyncClient, AsyncGate, Core, SyncClient, split_url
+from ._ops import Batch, Command, Op, Pause, Scan, Sleep, Step
 from ._subscriber import LoopWatch, ThreadWatch
 
 P = ParamSpec("P")
@@ -73,7 +73,27 @@ def _resume(op: Op[T], outcome: _Outcome | None) -> Step | _Done[T]:
 # -- the blocking loop ----------------------------------------------------------------------------
 
 
-def _blocking_step(client: SyncClient, step: Step) -> _Outcome:
+def _blocking_step(core: Core, step: Step) -> _Outcome:
+    if isinstance(step, Sleep | Pause):
+        return _blocking_pause(step)
+    gate = core.gate
+    if not gate.enter():
+        return None, core.pool_exhausted()
+    try:
+        return _blocking_command(core.client, step)
+    finally:
+        gate.leave()
+
+
+def _blocking_pause(step: Sleep | Pause) -> _Outcome:
+    if isinstance(step, Sleep):
+        time.sleep(step.seconds)
+        return None, None
+    # A blocking store's waiters are ThreadWatches: their events are threading.Events.
+    return cast(threading.Event, step.event).wait(step.seconds), None
+
+
+def _blocking_command(client: SyncClient, step: Command | Batch | Scan) -> _Outcome:
     # redis-py leaves some execute_commands untyped (hence the ignores): they answer Any.
     try:
         if isinstance(step, tuple):
@@ -85,22 +105,20 @@ def _blocking_step(client: SyncClient, step: Step) -> _Outcome:
             for command in step.commands:
                 pipe.execute_command(*command)
             return pipe.execute(raise_on_error=step.raise_on_error), None
-        if isinstance(step, Scan):
-            return list(client.scan_iter(match=step.pattern, count=step.count)), None
-        if isinstance(step, Sleep):
-            time.sleep(step.seconds)
-            return None, None
-        # A blocking store's waiters are ThreadWatches: their events are threading.Events.
-        return cast(threading.Event, step.event).wait(step.seconds), None
+        return list(client.scan_iter(match=step.pattern, count=step.count)), None
     except BaseException as exc:
         return None, exc
 
 
-def _run(client: SyncClient, op: Op[T]) -> T:
-    """Carry ``op``'s steps to Redis and their answers back, blocking; answer its result."""
+def _run(core: Core, op: Op[T]) -> T:
+    """Carry ``op``'s steps to Redis and their answers back, blocking; answer its result.
+
+    A command that finds no place at the gate within ``pool_timeout`` has the store's
+    :class:`~twiceshy.StoreUnavailable` thrown into its operation, unsent.
+    """
     step = _resume(op, None)
     while not isinstance(step, _Done):
-        step = _resume(op, _blocking_step(client, step))
+        step = _resume(op, _blocking_step(core, step))
     return step.value
 
 
@@ -110,7 +128,7 @@ def _blocking(
     """The method of :class:`RedisStore` that is ``op``, run by the blocking loop."""
 
     def method(self: RedisStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return _run(self._core.client, op(self._core, *args, **kwargs))
+        return _run(self._core, op(self._core, *args, **kwargs))
 
     _signed(method, op, "RedisStore")
     return method
@@ -126,7 +144,23 @@ async def _pause(event: asyncio.Event, seconds: float) -> bool:
     return event.is_set()
 
 
-async def _async_step(client: AsyncClient, step: Step) -> _Outcome:
+async def _async_step(core: Core, client: _LoopClient, step: Step) -> _Outcome:
+    if isinstance(step, Sleep):
+        await asyncio.sleep(step.seconds)
+        return None, None
+    if isinstance(step, Pause):
+        # An async store's waiters are LoopWatches: their events are asyncio.Events.
+        return await _pause(cast(asyncio.Event, step.event), step.seconds), None
+    gate = client.gate
+    if not await gate.enter():
+        return None, core.pool_exhausted()
+    try:
+        return await _async_command(client.client, step)
+    finally:
+        gate.leave()
+
+
+async def _async_command(client: AsyncClient, step: Command | Batch | Scan) -> _Outcome:
     try:
         if isinstance(step, tuple):
             return await client.execute_command(*step), None
@@ -140,20 +174,15 @@ async def _async_step(client: AsyncClient, step: Step) -> _Outcome:
         if isinstance(step, Scan):
             names = client.scan_iter(match=step.pattern, count=step.count)
             return [name async for name in names], None
-        if isinstance(step, Sleep):
-            await asyncio.sleep(step.seconds)
-            return None, None
-        # An async store's waiters are LoopWatches: their events are asyncio.Events.
-        return await _pause(cast(asyncio.Event, step.event), step.seconds), None
     except BaseException as exc:
         return None, exc
 
 
-async def _arun(client: AsyncClient, op: Op[T]) -> T:
+async def _arun(core: Core, client: _LoopClient, op: Op[T]) -> T:
     """Carry ``op``'s steps to Redis and their answers back, on the running event loop."""
     step = _resume(op, None)
     while not isinstance(step, _Done):
-        step = _resume(op, await _async_step(client, step))
+        step = _resume(op, await _async_step(core, client, step))
     return step.value
 
 
@@ -164,7 +193,7 @@ def _awaiting(
 
     async def method(self: AsyncRedisStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
         client = await self._loop_client()
-        return await _arun(client, op(self._core, *args, **kwargs))
+        return await _arun(self._core, client, op(self._core, *args, **kwargs))
 
     _signed(method, op, "AsyncRedisStore")
     return method
@@ -190,6 +219,8 @@ class _Opening:
         reread_interval: float | timedelta = 1.0,
         client_name: str | None = None,
         allow_eviction: bool = False,
+        pool_size: int = POOL_SIZE,
+        pool_timeout: float | timedelta = POOL_TIMEOUT,
     ) -> None:
         core = Core(
             url,
@@ -201,6 +232,8 @@ class _Opening:
             reread_interval=reread_interval,
             client_name=client_name,
             allow_eviction=allow_eviction,
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
         )
         self._open(core)
 
@@ -211,9 +244,9 @@ class _Opening:
     def from_url(cls, url: str, *, clock: Callable[[], float] | None = None) -> Self:
         """Open the store a URL names, with twiceshy's options in its query.
 
-        ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval`` and
-        ``allow_eviction`` (``1`` or ``0``) are taken out of the query; the rest is redis-py's
-        (e.g. ``client_name``, ``socket_timeout``).
+        ``prefix``, ``wait_replicas``, ``wait_timeout``, ``reread_interval``, ``pool_size``,
+        ``pool_timeout`` and ``allow_eviction`` (``1`` or ``0``) are taken out of the query; the
+        rest is redis-py's (e.g. ``client_name``, ``socket_timeout``).
 
         Raises:
             ValueError: an option has no valid value.
@@ -244,6 +277,10 @@ class RedisStore(_Opening):
         allow_eviction: open even where the server's ``maxmemory-policy`` may evict records
             (or cannot be read), logging a WARNING: an evicted claim or outcome lets a retry
             run the work again (see "Eviction" in docs/stores/redis.md).
+        pool_size: the most commands in flight at once (100 by default: per event loop for the
+            async store), so the most connections; a call past them waits for a free one.
+        pool_timeout: how long a command waits for a free connection (10 s by default) before
+            the call raises :class:`~twiceshy.StoreUnavailable`, the command unsent.
 
     Raises:
         StoreUnavailable: the server does not answer ``PING`` within ``socket_timeout``.
@@ -277,7 +314,7 @@ class RedisStore(_Opening):
         """See :meth:`twiceshy.stores.Store.wait`: woken by the record's channel, re-reading
         every ``reread_interval`` meanwhile."""
         op = _ops.wait(self._core, namespace, key, fence, timeout, ThreadWatch(), time.monotonic)
-        return _run(self._core.client, op)
+        return _run(self._core, op)
 
     def close(self) -> None:
         """Stop the subscriber and close every connection (idempotent).
@@ -288,12 +325,14 @@ class RedisStore(_Opening):
 
 
 class _LoopClient:
-    """The ``redis.asyncio`` client of one event loop, closed when that loop shuts down."""
+    """The ``redis.asyncio`` client of one event loop and its gate; closed when that loop shuts
+    down."""
 
-    __slots__ = ("client", "guard")
+    __slots__ = ("client", "gate", "guard")
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, gate: AsyncGate) -> None:
         self.client = client
+        self.gate = gate
         self.guard: AsyncGenerator[None, None] | None = None
 
 
@@ -354,20 +393,21 @@ class AsyncRedisStore(_Opening):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._core.safe_url!r}, prefix={self._core.prefix!r})"
 
-    async def _loop_client(self) -> AsyncClient:
+    async def _loop_client(self) -> _LoopClient:
         self._core.check_open()
         loop = asyncio.get_running_loop()
         with self._clients_lock:
             entry = self._clients.get(loop)
             if entry is not None:
-                return entry.client
+                return entry
             for old in [lp for lp in self._clients if lp.is_closed()]:
                 del self._clients[old]
-            entry = self._clients[loop] = _LoopClient(self._core.async_client())
+            core = self._core
+            entry = self._clients[loop] = _LoopClient(core.async_client(), core.async_gate())
         guard = _close_with_loop(entry.client)
         await anext(guard)
         entry.guard = guard
-        return entry.client
+        return entry
 
     claim = _awaiting(_ops.claim)
     write = _awaiting(_ops.write)
@@ -380,7 +420,7 @@ class AsyncRedisStore(_Opening):
         """See :meth:`RedisStore.wait`."""
         loop = asyncio.get_running_loop()
         op = _ops.wait(self._core, namespace, key, fence, timeout, LoopWatch(loop), loop.time)
-        return await _arun(await self._loop_client(), op)
+        return await _arun(self._core, await self._loop_client(), op)
 
     async def close(self) -> None:
         """Close this loop's connections; a store opened on its own also stops its subscriber.
@@ -429,6 +469,8 @@ class _ClusterOpening(_Opening):
         client_name: str | None = None,
         allow_eviction: bool = False,
         failover_wait: float | timedelta = 20.0,
+        pool_size: int = POOL_SIZE,
+        pool_timeout: float | timedelta = POOL_TIMEOUT,
     ) -> None:
         core = ClusterCore(
             url,
@@ -441,6 +483,8 @@ class _ClusterOpening(_Opening):
             client_name=client_name,
             allow_eviction=allow_eviction,
             failover_wait=failover_wait,
+            pool_size=pool_size,
+            pool_timeout=pool_timeout,
         )
         self._open(core)
 
