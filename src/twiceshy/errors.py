@@ -39,11 +39,17 @@ run (they also subclass the framework's own error for that)::
 ``OutcomeUnknown``, ``InProgress`` and a replayed ``ResultNotStorable`` carry a message written
 for the model that called the tool: what happened, that the call will not be run again by itself,
 and what to tell the user.
+
+Every error of the tree, an adapter's included, survives ``pickle`` and ``copy.deepcopy`` with its
+message and its attributes: durable engines journal a step's error, process pools send it back,
+and agent frameworks copy their state.
 """
 
 from __future__ import annotations
 
+import copyreg
 import datetime as _dt
+from typing import Any
 
 __all__ = [
     "EvictionPolicyRefused",
@@ -67,8 +73,22 @@ __all__ = [
 ]
 
 
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed; pickle knows it
+"""``cls.__new__(cls, *args)``: pickle writes a reduction by it as its NEWOBJ opcode."""
+
+
 class TwiceshyError(Exception):
     """The root of every error twiceshy raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduction rebuilds an error as ``type(*args)``, its message alone, which
+        # twiceshy's constructors do not take (``OutcomeUnknown(tool, key, reason)``, keyword-only
+        # fields): it would fail, or wrap the message in a second one. Rebuilt instead without the
+        # constructor: the type's __new__ (copyreg's __newobj__), then BaseException.__setstate__
+        # sets each attribute, ``args`` among them (an OSError leaf with its own __init__, such as
+        # LedgerDirectoryNotFound, gets its args from __init__ alone). The traceback, __cause__
+        # and __context__ are dropped, as pickle drops them from any exception.
+        return (_NEWOBJ, (type(self), *self.args), {**vars(self), "args": self.args})
 
 
 class UnkeyableArgument(TwiceshyError):

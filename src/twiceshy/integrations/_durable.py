@@ -1,5 +1,4 @@
-"""What the durable-engine adapters share: which of twiceshy's answers end an engine's retries,
-and errors that survive the engine's journal.
+"""What the durable-engine adapters share: which of twiceshy's answers end an engine's retries.
 
 A durable engine (DBOS, Prefect, Temporal) retries a step that raised. Most of twiceshy's answers
 are final: retrying the step asks the ledger the same question and gets the same answer
@@ -9,22 +8,19 @@ never ends. Two answers say that nothing ran and a later attempt may succeed: ``
 tool's own word) and ``StoreUnavailable`` (the ledger could not be reached, so the tool was not
 started). Those, and every error of the tool's own, are left to the engine's retry policy.
 
-Engines journal a step's error: DBOS and Prefect pickle it. twiceshy's errors take their fields
-as arguments, while pickle rebuilds an exception from its message alone, so :func:`portable`
-gives an error a reduction that rebuilds it with its fields.
+Engines journal a step's error (DBOS and Prefect pickle it): twiceshy's errors pickle with their
+fields by themselves (``TwiceshyError.__reduce__``), so nothing here converts them.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from twiceshy import NotApplied, StoreUnavailable, TwiceshyError
 
-__all__ = ["is_final", "portable", "retried"]
-
-E = TypeVar("E", bound=BaseException)
+__all__ = ["is_final", "retried"]
 
 # Answers that say nothing ran, where a later attempt may go through.
 _NOT_FINAL: tuple[type[BaseException], ...] = (NotApplied, StoreUnavailable)
@@ -63,39 +59,3 @@ def retried(
         return not is_final(error) and bool(should_retry(error))
 
     return unless_final_then
-
-
-def portable(error: E) -> E:
-    """``error``, made to survive pickling with its fields (``tool``, ``key``, ...).
-
-    ``pickle`` rebuilds an exception by calling its type with ``args`` - the message - which
-    twiceshy's errors do not take (``OutcomeUnknown(tool, key, reason)``). The error is given a
-    reduction of its own that rebuilds it from its message and fields; the rebuilt error has it
-    too, so a journal may load and store it again. Errors that are not twiceshy's are returned
-    as they are.
-    """
-    if isinstance(error, TwiceshyError) and "__reduce_ex__" not in vars(error):
-        error.__reduce_ex__ = _Reduction(error)  # type: ignore[method-assign, assignment]
-    return error
-
-
-class _Reduction:
-    """The reduction :func:`portable` gives an error: its type, its ``args`` and its fields."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self._error = error
-
-    def __call__(self, protocol: int) -> tuple[Any, ...]:
-        error = self._error
-        fields = {name: value for name, value in vars(error).items() if name != "__reduce_ex__"}
-        return (_rebuilt, (type(error), error.args, fields))
-
-
-def _rebuilt(kind: type[BaseException], args: tuple[Any, ...], fields: dict[str, Any]) -> Any:
-    """An error of ``kind`` with ``args`` and ``fields``, made without calling its constructor."""
-    error = kind.__new__(kind, *args)
-    error.args = args
-    vars(error).update(fields)
-    return portable(error)

@@ -43,9 +43,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from dbos import DBOS
 
-from twiceshy import Effect, Ledger, TwiceshyError, run
+from twiceshy import Effect, Ledger, run
 
-from ._durable import is_final, portable, retried
+from ._durable import is_final, retried
 
 __all__ = ["retryable", "step", "workflow_scope"]
 
@@ -125,34 +125,25 @@ def step(
 
 
 def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
-    """``protected``, called in the workflow's scope when there is a workflow, its twiceshy
-    errors made to survive DBOS's journal."""
+    """``protected``, called in the workflow's scope when there is a workflow."""
     if inspect.iscoroutinefunction(protected):
 
         @functools.wraps(protected)
         async def scoped_async(*args: P.args, **kwargs: P.kwargs) -> Any:
             scope = workflow_scope()
-            try:
-                if scope is None:
-                    return await protected(*args, **kwargs)
-                with run(scope):
-                    return await protected(*args, **kwargs)
-            except TwiceshyError as exc:
-                portable(exc)
-                raise
+            if scope is None:
+                return await protected(*args, **kwargs)
+            with run(scope):
+                return await protected(*args, **kwargs)
 
         return cast(Callable[P, R], scoped_async)
 
     @functools.wraps(protected)
     def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
         scope = workflow_scope()
-        try:
-            if scope is None:
-                return protected(*args, **kwargs)
-            with run(scope):
-                return protected(*args, **kwargs)
-        except TwiceshyError as exc:
-            portable(exc)
-            raise
+        if scope is None:
+            return protected(*args, **kwargs)
+        with run(scope):
+            return protected(*args, **kwargs)
 
     return scoped

@@ -25,6 +25,11 @@ The rules are those of :mod:`twiceshy.integrations.mcp`:
   ledger as it went on the wire. A KEYED tool out of attempts is answered with twiceshy's text
   as a ``ToolError`` raised from the tool's own error, which ``RetryMiddleware`` may retry (with
   the same key).
+- **Replays marked**: a result answered without running the tool (``twiceshy.was_replayed()``)
+  carries ``"dev.twiceshy/replayed": true`` in its ``_meta``; a replayed failure is answered as
+  the ``isError`` result FastMCP made of the first call's error, marked likewise. Over HTTP,
+  ``server.http_app(middleware=[Middleware(ReplayedHeaderMiddleware)])`` (from
+  :mod:`twiceshy.integrations.mcp`) also sets the response header ``Idempotent-Replayed: true``.
 - **Order**: middleware added first is outermost. Add ``RetryMiddleware`` (and any other
   middleware that retries) *before* this one, so every retry passes through the ledger.
 
@@ -48,7 +53,7 @@ from pydantic_core import to_json
 try:
     import fastmcp
     from fastmcp.exceptions import DisabledError, NotFoundError, ToolError, ValidationError
-    from fastmcp.server.dependencies import without_injected_parameters
+    from fastmcp.server.dependencies import get_http_request, without_injected_parameters
     from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
     from fastmcp.server.providers.addressing import parse_hashed_backend_name
     from fastmcp.tools.base import InputRequiredToolResult, Tool, ToolResult
@@ -78,16 +83,20 @@ from twiceshy.integrations._calls import (
 from twiceshy.integrations.mcp import (
     REFUSALS,
     Effects,
+    ReplayedHeaderMiddleware,
     ToolFailed,
+    _answered_by_replay,
     _Guards,
     _identity,
     _Interim,
+    _mark_replayed,
+    _replayed_meta,
     _text_of,
     _uncancelled,
     effect_from_annotations,
 )
 
-__all__ = ["TwiceshyMiddleware"]
+__all__ = ["ReplayedHeaderMiddleware", "TwiceshyMiddleware"]
 
 log = logging.getLogger("twiceshy")
 
@@ -130,6 +139,32 @@ def _rebuilt(data: Mapping[str, Any]) -> ToolResult:
 def _error_result(text: str) -> ToolResult:
     """An ``isError`` result carrying ``text`` for the model."""
     return ToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+
+
+def _http_request(context: MiddlewareContext[CallToolRequestParams]) -> object:
+    """The HTTP request that carried the call (``None`` on stdio, in memory)."""
+    fctx = context.fastmcp_context
+    request = fctx.request_context.request if fctx and fctx.request_context else None
+    if request is None:
+        try:
+            request = get_http_request()
+        except RuntimeError:  # no HTTP request
+            return None
+    return request
+
+
+def _marked(
+    context: MiddlewareContext[CallToolRequestParams],
+    result: ToolResult,
+    error: BaseException | None = None,
+) -> ToolResult:
+    """``result``, the answer to a guarded call, marked as a replay if it is one: its ``meta``
+    (the result's ``_meta``), and the HTTP request's mark for ``ReplayedHeaderMiddleware``."""
+    if not _answered_by_replay(error):
+        return result
+    _mark_replayed(_http_request(context))
+    # A copy: a result shared with an identical call joined here is that call's own answer.
+    return result.model_copy(update={"meta": _replayed_meta(result.meta)})
 
 
 def _root(error: Exception) -> Exception:
@@ -399,17 +434,21 @@ class TwiceshyMiddleware(Middleware):
             return _error_result(self._honest(context, exc))
         except (*ANSWERED, *REFUSALS) as exc:
             log.info("twiceshy: tools/call %r answered by twiceshy: %s", name, exc)
-            return _error_result(str(exc))
+            return _marked(context, _error_result(str(exc)), exc)
         except Exception as exc:
             said = self._exhausted(context, guard, exc, intent, scope, key)
             if said is not None:
                 # It may have taken effect: twiceshy's words, as FastMCP's own error, raised
-                # from the tool's, so that RetryMiddleware outside may retry it (same key).
+                # from the tool's, so that RetryMiddleware outside may retry it (same key). An
+                # error has no _meta: a call joined to it gets the HTTP header alone.
+                if _answered_by_replay(exc):
+                    _mark_replayed(_http_request(context))
                 raise ToolError(said) from exc
             if isinstance(exc, ToolFailed):
                 if isinstance(exc.result, ToolResult):
-                    return exc.result
-                return _error_result(str(exc))  # a failure recorded as definite, replayed
+                    return _marked(context, exc.result, exc)
+                # a failure recorded as definite, replayed
+                return _marked(context, _error_result(str(exc)), exc)
             for root, framework_error in raised:
                 if root is exc:
                     # FastMCP's own error (masked as the server wants) for a failure after which
@@ -422,11 +461,17 @@ class TwiceshyMiddleware(Middleware):
             # Not raised by this call's run: a definite failure replayed, or the error of a call
             # joined in this process. FastMCP turns only its tool's own errors into an isError
             # result (anything raised here would reach the client as an internal server
-            # error), so this answers as FastMCP answered the first call.
+            # error), so this answers as FastMCP answered the first call: the isError result
+            # it makes of a ToolError, here with the replay's _meta.
             if self._masks(context):
-                raise ToolError(f"Error calling tool {name!r}") from exc
-            raise ToolError(f"Error calling tool {name!r}: {exc}") from exc
+                said_first = f"Error calling tool {name!r}"
+            else:
+                said_first = f"Error calling tool {name!r}: {exc}"
+            if _answered_by_replay(exc):
+                return _marked(context, _error_result(said_first), exc)
+            raise ToolError(said_first) from exc
         for result, data in produced:
             if data is value:
                 return result
-        return _rebuilt(value)  # a replay, or the outcome of a call joined in this process
+        # a replay, or the outcome of a call joined in this process
+        return _marked(context, _rebuilt(value))

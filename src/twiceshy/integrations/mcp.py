@@ -24,6 +24,13 @@ every other request passes untouched. Install with ``pip install 'twiceshy[mcp]'
   out of attempts, a result that was not kept, a refused key) reach the client as a
   ``CallToolResult`` with ``isError: true`` and twiceshy's message for the model. A retry of a
   finished intent gets the first call's result, replayed from the ledger as it went on the wire.
+- **Replays marked**: a result answered without running the tool (replayed from the ledger,
+  shared with an identical call running here, a reconciler's answer: ``twiceshy.was_replayed()``)
+  carries ``"dev.twiceshy/replayed": true`` in its ``_meta`` (:data:`REPLAYED_META_KEY`), on every
+  transport; a result of this call's own run carries no such entry. Over streamable HTTP, wrap
+  the server's ASGI app in :class:`ReplayedHeaderMiddleware` to also answer such a call with the
+  response header ``Idempotent-Replayed: true``:
+  ``app = ReplayedHeaderMiddleware(server.streamable_http_app())``.
 
 The SDK turns a tool's exception into an ``isError`` result before any middleware sees it, so an
 ``isError`` answer counts as an ambiguous failure (:class:`ToolFailed`): the tool may have taken
@@ -39,6 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 try:
     from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
@@ -50,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - shown by a test in a process wi
         f"twiceshy.integrations.mcp needs the MCP SDK 2: pip install 'twiceshy[mcp]' ({exc})"
     ) from exc
 
-from twiceshy import Effect, Guard, Ledger
+from twiceshy import Effect, Guard, Ledger, was_replayed
 from twiceshy.errors import (
     KeyReuseMismatch,
     MissingScope,
@@ -69,7 +77,10 @@ from twiceshy.integrations._calls import (
 
 __all__ = [
     "KEY_META_KEY",
+    "REPLAYED_HEADER",
+    "REPLAYED_META_KEY",
     "SCOPE_META_KEY",
+    "ReplayedHeaderMiddleware",
     "ToolFailed",
     "TwiceshyMiddleware",
     "effect_from_annotations",
@@ -84,6 +95,17 @@ SCOPE_META_KEY: Final = "dev.twiceshy/scope"
 
 KEY_META_KEY: Final = "dev.twiceshy/key"
 """The ``_meta`` key of a ``tools/call`` request that carries an explicit idempotency key."""
+
+REPLAYED_META_KEY: Final = "dev.twiceshy/replayed"
+"""The ``_meta`` key of a ``tools/call`` result answered without running the tool (``true``)."""
+
+REPLAYED_HEADER: Final = "Idempotent-Replayed"
+"""The HTTP response header (``true``) of such an answer: see :class:`ReplayedHeaderMiddleware`."""
+
+_MARK_STATE_KEY: Final = "dev.twiceshy/replayed"
+"""Where :class:`ReplayedHeaderMiddleware` leaves a request's mark in the ASGI scope's ``state``."""
+
+_REPLAYED_HEADER_LINE: Final = (REPLAYED_HEADER.lower().encode(), b"true")
 
 Effects = Mapping[str, Effect | Guard]
 """Declared tools: a name and its effect class, or a :class:`twiceshy.Guard` for full control."""
@@ -166,6 +188,106 @@ class _Interim(NotApplied):
     def __init__(self, result: object) -> None:
         super().__init__("the tool asked the client for input")
         self.result = result
+
+
+class _Mark:
+    """One HTTP request's mark: whether a tool call it carried was answered by a replay."""
+
+    __slots__ = ("replayed",)
+
+    def __init__(self) -> None:
+        self.replayed = False
+
+
+class ReplayedHeaderMiddleware:
+    """An ASGI middleware: ``Idempotent-Replayed: true`` on the HTTP response of a replayed call.
+
+    Neither the ``mcp`` SDK nor FastMCP lets a tool, a middleware or a handler set a header of
+    one response: their streamable HTTP transports build each response's headers themselves
+    (a JSON response's content type and session id; an event stream's), and an event stream
+    sends them before the tool has answered. So the header is set here, around the ASGI app:
+    the middleware gives each HTTP request a mark in its scope's ``state``, which twiceshy's MCP
+    middleware (this module's and :mod:`twiceshy.integrations.fastmcp`'s) sets when it answers
+    that request's ``tools/call`` with a replay; the response's start is held until its first
+    body message, then sent with the header if the mark is set. The mark belongs to one HTTP
+    request, never to the process: concurrent requests are marked each by its own answer.
+
+    The header is set when the answer is known before the response's first body bytes: always
+    for a JSON response (``json_response=True``, and the 2026-07-28 transport's answer to a
+    call that sent no notification), and for an event stream whose first event is the answer.
+    An event stream that started before the answer (a progress or log notification first, a
+    resumability priming event, a keep-alive ping) cannot carry it: the ``_meta`` entry
+    :data:`REPLAYED_META_KEY` of the result is there on every transport.
+
+    ``app = ReplayedHeaderMiddleware(server.streamable_http_app())`` for an ``MCPServer``;
+    ``server.http_app(middleware=[Middleware(ReplayedHeaderMiddleware)])`` for FastMCP.
+    """
+
+    __slots__ = ("app",)
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        mark = _Mark()
+        # The state dict is shared by every copy of the scope the app's layers make.
+        scope.setdefault("state", {})[_MARK_STATE_KEY] = mark
+        held: list[Message] = []
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                held.append(message)  # until the first body message: the answer may come first
+                return
+            if held:
+                await send(_started(held.pop(), mark))
+            await send(message)
+
+        await self.app(scope, receive, sending)
+        if held:  # a response with no body message at all
+            await send(_started(held.pop(), mark))
+
+
+def _started(start: Message, mark: _Mark) -> Message:
+    """The response's start, with the replay header when its request was marked."""
+    if not mark.replayed:
+        return start
+    headers = [
+        (name, value)
+        for name, value in start.get("headers", ())
+        if name.lower() != _REPLAYED_HEADER_LINE[0]
+    ]
+    return {**start, "headers": [*headers, _REPLAYED_HEADER_LINE]}
+
+
+def _mark_replayed(request: object) -> None:
+    """Mark the HTTP request ``request`` (a Starlette ``Request``) as answered by a replay, for
+    :class:`ReplayedHeaderMiddleware`; nothing when it is not around the app, or there is no
+    HTTP request (stdio, in-memory)."""
+    scope = getattr(request, "scope", None)
+    state = scope.get("state") if isinstance(scope, Mapping) else None
+    mark = state.get(_MARK_STATE_KEY) if isinstance(state, Mapping) else None
+    if isinstance(mark, _Mark):
+        mark.replayed = True
+
+
+def _answered_by_replay(error: BaseException | None = None) -> bool:
+    """Whether the guarded call just made (which raised ``error``, if any) was answered without
+    running its tool: :func:`twiceshy.was_replayed`.
+
+    A refusal raised before the call reached the ledger (no scope, arguments with no key form)
+    is no replay, whatever an earlier call in this context was.
+    """
+    if isinstance(error, MissingScope | UnkeyableArgument | KeyReuseMismatch):
+        return False
+    return was_replayed()
+
+
+def _replayed_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``meta`` (a result's ``_meta``), with :data:`REPLAYED_META_KEY` set."""
+    return {**(meta or {}), REPLAYED_META_KEY: True}
 
 
 def effect_from_annotations(annotations: ToolAnnotations | None) -> Effect:
@@ -292,6 +414,18 @@ def _shaped(ctx: ServerRequestContext[Any, Any], data: Mapping[str, Any]) -> dic
         return serialize_server_result("tools/call", ctx.protocol_version, data)
     except (KeyError, ValueError):  # an unknown version, or a result of an extension's shape
         return dict(data)
+
+
+def _marked(
+    ctx: ServerRequestContext[Any, Any], data: Mapping[str, Any], error: BaseException | None = None
+) -> dict[str, Any]:
+    """``data``, the answer to a guarded call, marked as a replay if it is one: its ``_meta``
+    entry, and the HTTP request's mark for :class:`ReplayedHeaderMiddleware`."""
+    if not _answered_by_replay(error):
+        return dict(data)
+    _mark_replayed(ctx.request)
+    meta = data.get("_meta")
+    return {**data, "_meta": _replayed_meta(meta if isinstance(meta, Mapping) else None)}
 
 
 def _error_result(ctx: ServerRequestContext[Any, Any], text: str) -> dict[str, Any]:
@@ -468,19 +602,22 @@ class TwiceshyMiddleware:
             return cast("dict[str, Any]", exc.result)  # passed on as the server produced it
         except (*ANSWERED, *REFUSALS) as exc:
             log.info("twiceshy: tools/call %r answered by twiceshy: %s", name, exc)
-            return _error_result(ctx, str(exc))
+            return _marked(ctx, _error_result(ctx, str(exc)), exc)
         except Exception as exc:
             said = for_the_model(guard, exc, intent, scope=scope, key=key)
             if said is not None:  # a KEYED tool out of attempts: it may have taken effect
-                return _error_result(ctx, said)
+                return _marked(ctx, _error_result(ctx, said), exc)
             if isinstance(exc, ToolFailed):
                 if isinstance(exc.result, dict):
-                    return exc.result  # the server's own answer, as it gave it
-                return _error_result(ctx, str(exc))  # a failure recorded as definite, replayed
+                    # the server's own answer, as it gave it (to an identical call joined here)
+                    return _marked(ctx, exc.result, exc)
+                # a failure recorded as definite, replayed
+                return _marked(ctx, _error_result(ctx, str(exc)), exc)
             raise  # the ledger failed (loudly, never as a result), or a protocol error
         if produced and value is produced[-1]:
             return value
-        return _shaped(ctx, value)  # a replay, or the outcome of a call joined in this process
+        # a replay, or the outcome of a call joined in this process
+        return _marked(ctx, _shaped(ctx, value))
 
 
 def protect(

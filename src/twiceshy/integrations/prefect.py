@@ -46,9 +46,9 @@ from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import FlowRunContext, TaskRunContext
 
-from twiceshy import Effect, Ledger, TwiceshyError, run
+from twiceshy import Effect, Ledger, run
 
-from ._durable import is_final, portable
+from ._durable import is_final
 
 __all__ = ["RetryCondition", "flow_run_scope", "protect", "retry_condition", "task"]
 
@@ -187,34 +187,25 @@ async def _error_of(state: State[Any]) -> object:
 
 
 def _in_flow_run_scope(protected: Callable[P, R]) -> Callable[P, R]:
-    """``protected``, called in the flow run's scope when there is one, its twiceshy errors
-    made to survive Prefect's result storage."""
+    """``protected``, called in the flow run's scope when there is one."""
     if inspect.iscoroutinefunction(protected):
 
         @functools.wraps(protected)
         async def scoped_async(*args: P.args, **kwargs: P.kwargs) -> Any:
             scope = flow_run_scope()
-            try:
-                if scope is None:
-                    return await protected(*args, **kwargs)
-                with run(scope):
-                    return await protected(*args, **kwargs)
-            except TwiceshyError as exc:
-                portable(exc)
-                raise
+            if scope is None:
+                return await protected(*args, **kwargs)
+            with run(scope):
+                return await protected(*args, **kwargs)
 
         return cast(Callable[P, R], scoped_async)
 
     @functools.wraps(protected)
     def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
         scope = flow_run_scope()
-        try:
-            if scope is None:
-                return protected(*args, **kwargs)
-            with run(scope):
-                return protected(*args, **kwargs)
-        except TwiceshyError as exc:
-            portable(exc)
-            raise
+        if scope is None:
+            return protected(*args, **kwargs)
+        with run(scope):
+            return protected(*args, **kwargs)
 
     return scoped
