@@ -10,11 +10,15 @@
 #                   other extras, each alone: its tests, and mypy on its adapter
 #
 # Each is a venv under .ci/venvs/ (git-ignored; TWICESHY_CI_VENVS moves it), built with
-# `pip install -e '.[EXTRAS]'` and the test tools, and kept while its inputs (pyproject.toml,
+# `uv pip install -e '.[EXTRAS]'` and the test tools, and kept while its inputs (pyproject.toml,
 # .ci/oldest.txt, this script, the Python, the checkout's path) are unchanged: a second run
-# only runs the tests. Run it from anywhere; it is idempotent. In each, a test module whose
-# framework is missing fails instead of skipping (TWICESHY_REQUIRE_FRAMEWORKS, read by
-# tests/integrations/conftest.py), and so does a test that needs a server that is not there.
+# only runs the tests. uv (in a venv of its own there, installed by pip) resolves and installs
+# in parallel, many times faster than pip; it is given pip's settings (`pip config list`: the
+# indexes, find-links and constraint files this machine's pip reads and uv does not) and pip's
+# choice among indexes (the best version from any of them), so the same releases result. Run
+# it from anywhere; it is idempotent. In each, a test module whose framework is missing fails
+# instead of skipping (TWICESHY_REQUIRE_FRAMEWORKS, read by tests/integrations/conftest.py), and
+# so does a test that needs a server that is not there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +30,8 @@ TOOLS=("pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "mypy>=1.15")
 # The frameworks of the oldest environment (all but CrewAI), as extras.
 OLDEST_EXTRAS=openai-agents,langchain,pydantic-ai,mcp,fastmcp,google-adk,llama-index,strands,claude-agent-sdk
 PIP=(--quiet --disable-pip-version-check --progress-bar off)
+UV="$VENVS/uv/bin/uv"
+UV_REQUIREMENT="uv>=0.13,<0.14"
 
 export TWICESHY_REQUIRE_SERVERS=1
 mkdir -p "$VENVS"
@@ -39,23 +45,75 @@ inputs() {  # inputs NAME: the hash of what a venv is built from
     } | sha256sum | cut -d' ' -f1
 }
 
+current() {  # current NAME: whether the venv NAME was built from the inputs there are now
+    [ -f "$VENVS/$1/.inputs" ] && [ "$(cat "$VENVS/$1/.inputs")" = "$(inputs "$1")" ]
+}
+
+uv_tool() {  # the uv that builds the other venvs, in a venv of its own, installed by pip
+    local dir="$VENVS/uv"
+    current uv && return 0
+    echo "frameworks: installing $UV_REQUIREMENT"
+    rm -rf "$dir" || return 1
+    "$PYTHON" -m venv "$dir" || return 1
+    "$dir/bin/python" -m pip install "${PIP[@]}" "$UV_REQUIREMENT" || return 1
+    inputs uv >"$dir/.inputs"
+}
+
+pip_settings() {  # the settings this machine's pip reads from its config and PIP_*, as uv options
+    # One option a line. A setting that changes what is installed and has no uv option here
+    # stops the build rather than be dropped.
+    "$PYTHON" -m pip config list | "$PYTHON" -c '
+import ast
+import sys
+
+RANK = {"global": 0, "install": 1, ":env:": 2}  # pip: [install] over [global], PIP_* over both
+MANY = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
+        "constraint": "--constraint"}
+IGNORED = {"cert", "default-timeout", "timeout", "disable-pip-version-check", "progress-bar",
+           "quiet", "verbose", "no-color", "no-input", "root-user-action", "no-cache-dir",
+           "cache-dir"}
+settings = {}
+for line in sys.stdin:
+    name, _, value = line.strip().partition("=")
+    section, _, key = name.rpartition(".")
+    if section in RANK and RANK[section] >= settings.get(key, (-1, ""))[0]:
+        settings[key] = (RANK[section], ast.literal_eval(value))
+for key, (_, value) in sorted(settings.items()):
+    if key == "index-url":
+        print("--index-url", value, sep="\n")
+    elif key in MANY:
+        for item in value.split():
+            print(MANY[key], item, sep="\n")
+    elif key == "no-index" and value.lower() in ("1", "true", "yes", "on"):
+        print("--no-index")
+    elif key not in IGNORED:
+        sys.exit(f"frameworks: pip reads {key}={value!r} and uv would not: not translated")
+'
+}
+
 build() {  # build NAME EXTRAS [CONSTRAINTS]: make the venv NAME unless it is current
-    local name=$1 extras=$2 constraints=${3:-} dir="$VENVS/$1" want
-    want=$(inputs "$name")
-    if [ -f "$dir/.inputs" ] && [ "$(cat "$dir/.inputs")" = "$want" ]; then
+    local name=$1 extras=$2 constraints=${3:-} dir="$VENVS/$1"
+    if current "$name"; then
         echo "frameworks: $name: venv is current"
         return 0
     fi
     echo "frameworks: $name: building the venv"
     # (Each command checked: `set -e` does not reach into a function called by `if`.)
     rm -rf "$dir" || return 1
-    "$PYTHON" -m venv "$dir" || return 1
-    local args=(-e ".[$extras]" "${TOOLS[@]}")
+    "$PYTHON" -m venv --without-pip "$dir" || return 1
+    local found settings=() args=(-e ".[$extras]" "${TOOLS[@]}")
     if [ -n "$constraints" ]; then
         args+=(--constraint "$constraints")
     fi
-    "$dir/bin/python" -m pip install "${PIP[@]}" "${args[@]}" || return 1
-    echo "$want" >"$dir/.inputs"
+    found=$(pip_settings) || return 1
+    if [ -n "$found" ]; then
+        mapfile -t settings <<<"$found"
+    fi
+    # unsafe-best-match: pip's way, the newest fitting release on any index (uv's own way
+    # takes a package only from the first index that has it). --compile-bytecode: as pip does.
+    "$UV" pip install --quiet --python "$dir/bin/python" --index-strategy unsafe-best-match \
+        --compile-bytecode "${settings[@]}" "${args[@]}" || return 1
+    inputs "$name" >"$dir/.inputs"
 }
 
 run() {  # run NAME REQUIRED PYTEST-ARGS...: the tests in the venv NAME, its frameworks required
@@ -133,6 +191,7 @@ alone() {  # alone EXTRA MODULE: the newest release of one framework, in a venv 
 }
 
 total=$SECONDS
+uv_tool || { echo "frameworks: could not install uv" >&2; exit 1; }
 step oldest oldest
 step oldest-crewai oldest_crewai
 step google-adk alone google-adk google_adk
