@@ -90,7 +90,7 @@ def floor_on(conn: Any, journal_mode: str, synchronous: str) -> Case:
         conn.execute(statement)
     insert = (
         "INSERT INTO twiceshy_records VALUES (?, ?, ?, 'charge', 'keyed', 'claimed', 1, ?, ?, 1, "
-        "NULL, NULL, NULL, ?, ?, NULL)"
+        "NULL, NULL, NULL, ?, ?, NULL, NULL)"
     )
     update = (
         "UPDATE twiceshy_records SET state = 'succeeded', result = ?, updated_at = ?, "
@@ -147,7 +147,7 @@ def by_hand(path: Path) -> Case:
 
     conn.execute(
         "INSERT INTO twiceshy_records VALUES ('', ?, 'f', 'charge', 'keyed', 'succeeded', 1, 'o',"
-        " NULL, 1, ?, NULL, NULL, 0, 0, NULL)",
+        " NULL, 1, ?, NULL, NULL, 0, 0, NULL, NULL)",
         (name("bench-replay"), json.dumps(RESULT)),
     )
     read = "SELECT result FROM twiceshy_records WHERE namespace = '' AND key = ?"

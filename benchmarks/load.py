@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import secrets
 import statistics
@@ -46,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 import twiceshy
-from servers import POSTGRES, REDIS, RESULT_TEXT, same_row
+from servers import POSTGRES, REDIS, RESULT_TEXT, same_fields, same_row
 
 POOL = 16  # connections of each PostgreSQL pool, twiceshy's and the raw client's
 LIMIT = 30.0  # seconds: a case stops early past this
@@ -168,7 +167,7 @@ class RawPostgres:
 
     def __init__(self, schema: str) -> None:
         self.insert = (
-            f"INSERT INTO {schema}.floor VALUES ({', '.join(['%s'] * 16)})"
+            f"INSERT INTO {schema}.floor VALUES ({', '.join(['%s'] * len(same_row('', 0)))})"
             " ON CONFLICT (namespace, key) DO NOTHING"
         )
         self.update = (
@@ -220,12 +219,6 @@ class RawPostgres:
 # -- Redis -------------------------------------------------------------------------------------
 
 
-def claim_fields(prefix: str, n: int) -> dict[str, Any]:
-    """:func:`same_row` as the fields of a Redis hash (no field for a missing value)."""
-    names = [field.name for field in dataclasses.fields(twiceshy.Record)]
-    return {k: v for k, v in zip(names, same_row(prefix, n), strict=False) if v is not None}
-
-
 class RawRedis:
     """The floor on Redis: an HSET of the claim's fields and an HSET of the outcome's."""
 
@@ -234,7 +227,7 @@ class RawRedis:
         self.client = redis.Redis.from_url(REDIS)
 
     def _names(self, tag: str, i: int) -> tuple[str, dict[Any, Any], dict[Any, Any]]:
-        fields = claim_fields(f"{self.prefix}-{tag}", i)
+        fields = same_fields(f"{self.prefix}-{tag}", i)
         outcome = {"state": "succeeded", "result": RESULT_TEXT, "updated_at": fields["created_at"]}
         return f"{self.prefix}:floor:{fields['key']}", fields, outcome
 

@@ -203,6 +203,7 @@ def same_row(prefix: str, n: int) -> tuple[Any, ...]:
         now,
         now,
         None,
+        None,
     )
 
 
@@ -284,7 +285,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
     conn.execute(f"CREATE TABLE {schema}.floor (LIKE {schema}.records INCLUDING ALL)")
     conn.execute(f"CREATE TABLE {schema}.trivial (k text PRIMARY KEY, v text)")
     conn.execute(f"INSERT INTO {schema}.trivial VALUES ('replayed', 'x')")
-    insert = f"INSERT INTO {schema}.floor VALUES ({', '.join(['%s'] * 16)})"
+    insert = f"INSERT INTO {schema}.floor VALUES ({', '.join(['%s'] * len(same_row('', 0)))})"
     update = (
         f"UPDATE {schema}.floor SET state = 'succeeded', result = %s, lease_deadline = NULL,"
         " updated_at = %s, expires_at = %s"
@@ -383,8 +384,8 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
     def trivial_read(i: int) -> None:
         client.hgetall(f"{prefix}:trivial:replayed")
 
-    pt_first, pt_replay = powertools(local_cache=False)
-    _, pt_cached = powertools(local_cache=True)
+    _, pt_first, pt_replay = powertools(local_cache=False)
+    _, _, pt_cached = powertools(local_cache=True)
     try:
         out = run.interleave(
             {
@@ -452,8 +453,13 @@ def _batches(keys: Any, size: int = 10_000) -> Any:
         yield batch
 
 
-def powertools(*, local_cache: bool) -> tuple[Callable[[int], object], Callable[[int], object]]:
-    """(first call, replay) of Powertools' idempotent_function on the same Redis."""
+def powertools(
+    *, local_cache: bool, prefix: str = "bench-powertools"
+) -> tuple[Any, Callable[[int], object], Callable[[int], object]]:
+    """(layer, first call, replay) of Powertools' ``idempotent_function`` on the same Redis.
+
+    It keys one keyword argument, so the run travels in the data beside the tool's arguments.
+    """
     logging.getLogger("aws_lambda_powertools").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -471,26 +477,25 @@ def powertools(*, local_cache: bool) -> tuple[Callable[[int], object], Callable[
     )
 
     @idempotent_function(
-        data_keyword_argument="data",
-        persistence_store=layer,
-        config=config,
-        key_prefix="bench-powertools",
+        data_keyword_argument="data", persistence_store=layer, config=config, key_prefix=prefix
     )
     def charge(data: dict[str, Any]) -> dict[str, Any]:
-        return {"id": "ch_1", **data}
+        return {"id": "ch_1", "amount": data["amount"], "customer": data["customer"]}
 
     counter = iter(range(10**9))
     tag = secrets.token_hex(4)
 
-    def quiet(data: dict[str, Any]) -> object:
+    def call(run: str) -> object:
+        # Outside Lambda it warns about the remaining time on every call.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return charge(data=data)
+            return charge(data={"amount": 4900, "customer": "cus_1", "run": run})
 
-    quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-replay"})
+    call(f"{tag}-replay")
     return (
-        lambda i: quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-{next(counter)}"}),
-        lambda i: quiet({"amount": 4900, "customer": "cus_1", "run": f"{tag}-replay"}),
+        layer,
+        lambda i: call(f"{tag}-{next(counter)}"),
+        lambda i: call(f"{tag}-replay"),
     )
 
 
