@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -48,6 +49,9 @@ class Address(BaseModel):
 
 
 VALIDATED: list[str] = []
+# From 0.22.3 the SDK's invocation takes the arguments it prepared for the key; before, it
+# prepares them again from the same JSON, with the same schema.
+PREPARES_ONCE = tuple(int(part) for part in version("openai-agents").split(".")[:3]) >= (0, 22, 3)
 
 
 class Memo(BaseModel):
@@ -201,7 +205,8 @@ def test_spellings_the_sdk_accepts_name_one_intent(
 
 
 def test_the_function_receives_the_values_that_named_the_intent(ledger: twiceshy.Ledger) -> None:
-    """The SDK validates a call once, for the key and the function alike."""
+    """The SDK validates a call once, for the key and the function alike (twice, to equal
+    values, on releases that cannot take a preparation)."""
     VALIDATED.clear()
     filed: list[Memo] = []
 
@@ -216,7 +221,8 @@ def test_the_function_receives_the_values_that_named_the_intent(ledger: twiceshy
 
     run(Agent(name="clerk", model=model, tools=tools))
 
-    assert VALIDATED == ["hello"]
+    times = 1 if PREPARES_ONCE else 2
+    assert ["hello"] * times == VALIDATED
     assert [memo.text for memo in filed] == ["hello"]
 
 
@@ -721,8 +727,9 @@ def test_an_error_before_the_point_of_no_return_releases_the_intent(
     run(Agent(name="treasury", model=model, tools=tools))
 
     read = outputs(model)
-    # Nothing happened: the SDK's own failure text answers, and its retry is safe.
-    assert read["call_1"] == "An error occurred while running the tool. Please try again."
+    # Nothing happened: the SDK's own failure text answers (0.22 adds the error's text), and its
+    # retry is safe.
+    assert read["call_1"].startswith("An error occurred while running the tool. Please try again.")
     assert read["call_2"] == "wired 100"
     assert wired == [100]
 

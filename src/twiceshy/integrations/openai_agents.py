@@ -14,7 +14,9 @@ How a call is handled:
   receives: the model's JSON as the SDK parses and validates it (``"2"`` for an ``int`` is ``2``,
   an omitted parameter its default, a nested model its fields), bound to the function's
   parameters by name, its context parameter left out. The SDK's preparation is then handed to
-  the invocation, so the function receives the very values that named the intent. A
+  the invocation, so the function receives the very values that named the intent (releases
+  before 0.22.3, which take none, parse the same JSON again with the same schema: equal
+  values). A
   ``FunctionTool`` with no Python function behind it (built by hand, ``agent.as_tool(...)``) is
   named by the JSON object the model sent, its schema's defaults filled in. The tool-call id,
   new on every re-call, is never part of it.
@@ -64,15 +66,17 @@ try:
         ToolTimeoutError,
         UserError,
     )
+    from agents.function_schema import FuncSchema
     from agents.tool import (
         default_tool_timeout_error_message,
         maybe_invoke_function_tool_failure_error_function,
         set_function_tool_failure_error_function,
     )
     from agents.tool_context import ToolContext
+    from pydantic import ValidationError
 except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
     raise ImportError(
-        "twiceshy.integrations.openai_agents needs the OpenAI Agents SDK 0.23.1 or later: "
+        "twiceshy.integrations.openai_agents needs the OpenAI Agents SDK 0.21 or later: "
         f"pip install 'twiceshy[openai-agents]' ({exc})"
     ) from exc
 
@@ -138,7 +142,7 @@ class _Function:
         prepare: the SDK's own ``(json, tool_name) -> PreparedFunctionArguments``: it parses the
             JSON, validates it with the parameters' pydantic model and makes the call's
             positional and keyword arguments. The tool's invocation accepts its result in place
-            of preparing again.
+            of preparing again. (Before 0.22.3: the same parse, see :func:`_parse_with`.)
         context: the name of the function's context parameter, if it takes one.
     """
 
@@ -182,16 +186,71 @@ def _function_of(tool: FunctionTool) -> _Function | None:
         fn = tool.__wrapped__
     except AttributeError:  # built by hand, or agent.as_tool(): no Python function
         return None
+    prepare = _sdk_preparation(tool)
+    if prepare is None:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
+        schema = _sdk_schema(tool)
+        if schema is None:  # another SDK version: the model's JSON names the intent
+            return None
+        prepare = _parse_with(schema)
+    return _Function(fn, prepare, _context_parameter(fn))
+
+
+def _sdk_preparation(tool: FunctionTool) -> Callable[[str, str], Any] | None:
+    """The SDK's own preparation of the tool's calls (``prepare_arguments``, from 0.22.3)."""
     prepare_for = getattr(tool.on_invoke_tool, "prepare_arguments", None)
-    if not callable(prepare_for):  # pragma: no cover - another SDK version
+    if not callable(prepare_for):  # pragma: no cover - before 0.22.3
         return None
     try:
         # What it answers for approval policies names the SDK's own preparation (its owner).
-        prepare = prepare_for("{}", tool.name).owner
+        prepare: Callable[[str, str], Any] = prepare_for("{}", tool.name).owner
         inspect.signature(prepare).bind("{}", tool.name)
-    except Exception:  # pragma: no cover - another SDK version: the model's JSON names the intent
+    except Exception:  # pragma: no cover - another SDK version
         return None
-    return _Function(fn, prepare, _context_parameter(fn))
+    return prepare
+
+
+def _sdk_schema(tool: FunctionTool) -> FuncSchema | None:  # pragma: no cover - before 0.22.3
+    """The schema the invocation of releases before 0.22.3 validates a call with: the very
+    object ``@function_tool`` made of the function, which they keep in the invocation only."""
+    invoke = getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
+    names = getattr(getattr(invoke, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(invoke, "__closure__", None) or (), strict=False):
+        if name == "schema":
+            schema = cell.cell_contents
+            return schema if isinstance(schema, FuncSchema) else None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A call's positional and keyword arguments, as the SDK makes them from its JSON."""
+
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+
+def _parse_with(schema: FuncSchema) -> Callable[[str, str], _Prepared]:  # pragma: no cover
+    """The preparation of releases before 0.22.3, which they do not expose: their invocation's
+    steps with their own JSON parser and the tool's schema, refusals raised as they raise them.
+    Those releases are fixed: the private names below are theirs and cannot move."""
+    from agents import _debug
+    from agents.tool import _parse_function_tool_json_input
+
+    def prepare(raw_json_args: str, tool_name: str) -> _Prepared:
+        data = _parse_function_tool_json_input(tool_name=tool_name, input_json=raw_json_args)
+        refused = f"Invalid JSON input for tool {tool_name}"
+        try:
+            parsed = schema.params_pydantic_model(**data)
+        except ValidationError as exc:
+            if not _debug.DONT_LOG_TOOL_DATA:
+                raise ModelBehaviorError(f"{refused}: {exc}") from exc
+        else:
+            args, kwargs = schema.to_call_args(parsed)
+            return _Prepared(args, kwargs)
+        # Raised outside the except, as the SDK does: the redacted error carries no data.
+        raise ModelBehaviorError(refused)
+
+    return prepare
 
 
 def _context_parameter(fn: Callable[..., Any]) -> str | None:
