@@ -12,6 +12,10 @@ For each server store:
   like the ledger's, and one primary-key SELECT of a whole record for a replay; for Redis an
   HSET of the claim's fields and an HSET of the outcome's, and one HGETALL of a whole record.
 - *trivial*: the same number of round trips on a two-column table or a two-field hash.
+- *CPU*: the first call, the replay and their floors again, each case's CPU per call on the
+  client (this process) and on the server (PostgreSQL's processes, read from ``/proc``; Redis's
+  own ``INFO cpu``): what the statements and scripts cost the server beside the floor's. Any
+  other client of the same server in the meantime counts too: run it on a quiet machine.
 - *peer*: Powertools for AWS Lambda's idempotency utility with its Redis persistence layer on the
   same Redis (outside Lambda: ``ssl=False``; it needs boto3 importable).
 - *wake-up*: a waiter blocked on a running call, woken by the owner recording its outcome:
@@ -84,6 +88,36 @@ def median_us(times: list[int]) -> float:
     return statistics.median(times) / 1000
 
 
+def postgres_cpu() -> float:
+    """Seconds of CPU the local PostgreSQL server's processes have used (their backends, WAL
+    writer and the rest), from ``/proc``: the server is on this machine, reached on loopback."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                if not comm.read().startswith("postgres"):
+                    continue
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def redis_cpu(client: redis.Redis) -> Callable[[], float]:
+    """Seconds of CPU the Redis server has used, as its ``INFO cpu`` reports them."""
+
+    def used() -> float:
+        info = client.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    return used
+
+
 class Placement:
     """With ``--pin``: this process on the first CPU, the servers serving it on the others.
 
@@ -148,6 +182,28 @@ class Run:
             for name, fn in cases.items():
                 times[name] += timed(fn, self.calls)
         return {name: median_us(t) for name, t in times.items()}
+
+    def cpu(
+        self, cases: dict[str, Callable[[int], object]], server: Callable[[], float]
+    ) -> dict[str, float]:
+        """Client and server CPU microseconds per call of each case, the cases taking turns:
+        ``"<case> client cpu"`` (this process, ``time.process_time``) and ``"<case> server
+        cpu"`` (``server()``, read before and after each case's calls)."""
+        used = {name: [0.0, 0.0] for name in cases}
+        calls = max(self.calls, 200)  # the server's clock ticks in hundredths of a second
+        for _ in range(self.rounds):
+            for name, fn in cases.items():
+                client, on_server = time.process_time(), server()
+                for i in range(calls):
+                    fn(i)
+                used[name][0] += time.process_time() - client
+                used[name][1] += server() - on_server
+        n = calls * self.rounds / 1e6
+        out = {}
+        for name, (client_s, server_s) in used.items():
+            out[f"{name} client cpu"] = client_s / n
+            out[f"{name} server cpu"] = server_s / n
+        return out
 
 
 def protected(ledger: twiceshy.Ledger) -> tuple[Callable[[int], object], Callable[[int], object]]:
@@ -245,6 +301,16 @@ def wake_up(ledger: twiceshy.Ledger, trials: int) -> float:
     return statistics.median(delays) / 1e6
 
 
+def core_cases(
+    first: Callable[[int], object],
+    replay: Callable[[int], object],
+    floor_first: Callable[[int], object],
+    floor_read: Callable[[int], object],
+) -> dict[str, Callable[[int], object]]:
+    """The four cases every table compares, by the names the tables read them by."""
+    return {"first": first, "replay": replay, "floor first": floor_first, "floor read": floor_read}
+
+
 def measure_full(
     run: Run,
     first: Callable[[int], object],
@@ -253,9 +319,7 @@ def measure_full(
     floor_read: Callable[[int], object],
 ) -> dict[str, float]:
     """The first call, the replay and their floors again, once the store is full."""
-    full = run.interleave(
-        {"first": first, "replay": replay, "floor first": floor_first, "floor read": floor_read}
-    )
+    full = run.interleave(core_cases(first, replay, floor_first, floor_read))
     return {f"{name} full": value for name, value in full.items()}
 
 
@@ -326,6 +390,7 @@ def postgres(run: Run, records: int) -> dict[str, float]:
             }
         )
         out.update(idle_costs(nothing, run))
+        out.update(run.cpu(core_cases(first, replay, floor_first, floor_read), postgres_cpu))
         out["wake ms"] = wake_up(ledger, 30)
         conn.execute(
             f"""INSERT INTO {schema}.records
@@ -403,6 +468,16 @@ def redis_store(run: Run, records: int) -> dict[str, float]:
             }
         )
         out.update(idle_costs(nothing, run))
+        out.update(
+            run.cpu(
+                {
+                    **core_cases(first, replay, floor_first, floor_read),
+                    "powertools first": pt_first,
+                    "powertools replay": pt_replay,
+                },
+                redis_cpu(client),
+            )
+        )
         out["wake ms"] = wake_up(ledger, 30)
         store: Any = ledger.store
         pipe = client.pipeline(transaction=False)
@@ -543,6 +618,31 @@ def main() -> None:
         "floor: the same round trips writing and reading the same rows as the ledger (a table of"
         " its shape, SHA-256 keys);\ntrivial: the same number of round trips on a two-column"
         " table / a two-field hash."
+    )
+    print()
+    print("CPU per call in microseconds, the cases taking turns (client: this process; server:")
+    print("the PostgreSQL server's processes from /proc, Redis's INFO cpu):")
+    header = (
+        f"  {'store':<9} {'call':<7} {'client':>7} {'floor':>7} {'ratio':>6}"
+        f" {'server':>7} {'floor':>7} {'ratio':>6}"
+    )
+    print(header)
+    for name, r in results.items():
+        for call, floor_name in (("first", "floor first"), ("replay", "floor read")):
+            ours_c, floor_c = r[f"{call} client cpu"], r[f"{floor_name} client cpu"]
+            ours_s, floor_s = r[f"{call} server cpu"], r[f"{floor_name} server cpu"]
+            # Below one clock tick over the whole case (a quick run), no ratio can be read.
+            server_ratio = f"{ours_s / floor_s:.2f}" if floor_s > 0 else "-"
+            print(
+                f"  {name:<9} {call:<7} {ours_c:>7.0f} {floor_c:>7.0f} {ours_c / floor_c:>6.2f}"
+                f" {ours_s:>7.0f} {floor_s:>7.0f} {server_ratio:>6}"
+            )
+    r = results["redis"]
+    print(
+        f"  Powertools on Redis: first call {r['powertools first client cpu']:.0f} client,"
+        f" {r['powertools first server cpu']:.0f} server; replay"
+        f" {r['powertools replay client cpu']:.0f} client,"
+        f" {r['powertools replay server cpu']:.0f} server"
     )
     print()
     for name, r in results.items():
