@@ -5,6 +5,9 @@
 #   oldest          every framework that fits beside the others at its oldest supported release
 #                   (.ci/oldest.txt): tests/integrations
 #   oldest-crewai   CrewAI at its oldest supported release (it pins mcp < 2): its tests
+#   oldest-openai-agents
+#                   openai-agents at its oldest supported release (before 0.20 it pins mcp < 2,
+#                   before 0.21 openai < 3), with the openai of its own floor: its tests
 #   google-adk, strands, crewai
 #                   the newest releases of the frameworks that cannot be installed beside the
 #                   other extras, each alone: its tests, and mypy on its adapter
@@ -29,6 +32,10 @@ OLDEST=.ci/oldest.txt
 TOOLS=("pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "mypy>=1.15")
 # The frameworks of the oldest environment (all but CrewAI), as extras.
 OLDEST_EXTRAS=openai-agents,langchain,pydantic-ai,mcp,fastmcp,google-adk,llama-index,strands,claude-agent-sdk
+# The oldest openai-agents that installs beside mcp 2 and openai 3: the oldest environment's.
+AGENTS_BESIDE_MCP2=0.21.0
+# The openai of the oldest openai-agents' own floor (newer 2.x releases break 0.17.5 itself).
+AGENTS_OLDEST_OPENAI=2.36.0
 PIP=(--quiet --disable-pip-version-check --progress-bar off)
 UV="$VENVS/uv/bin/uv"
 UV_REQUIREMENT="uv>=0.13,<0.14"
@@ -147,7 +154,8 @@ step() {  # step NAME COMMAND...: one environment, timed; a failed build is repo
 
 oldest() {
     local pins="$VENVS/oldest.txt"
-    grep -v '^crewai==' "$OLDEST" >"$pins"
+    grep -v -e '^crewai==' -e '^openai-agents==' "$OLDEST" >"$pins"
+    echo "openai-agents==$AGENTS_BESIDE_MCP2" >>"$pins"
     build oldest "$OLDEST_EXTRAS" "$pins" || return 1
     # The pins are the floors of the extras' bounds: a floor raised without its pin (or the
     # other way round) is caught here.
@@ -183,6 +191,14 @@ oldest_crewai() {
     run oldest-crewai crewai tests/integrations/test_crewai*.py
 }
 
+oldest_openai_agents() {
+    local pins="$VENVS/oldest-openai-agents.txt"
+    grep '^openai-agents==' "$OLDEST" >"$pins"
+    echo "openai==$AGENTS_OLDEST_OPENAI" >>"$pins"
+    build oldest-openai-agents openai-agents "$pins" || return 1
+    run oldest-openai-agents openai-agents tests/integrations/test_openai_agents*.py
+}
+
 alone() {  # alone EXTRA MODULE: the newest release of one framework, in a venv of its own
     local extra=$1 module=$2
     build "$extra" "$extra" || return 1
@@ -194,6 +210,7 @@ total=$SECONDS
 uv_tool || { echo "frameworks: could not install uv" >&2; exit 1; }
 step oldest oldest
 step oldest-crewai oldest_crewai
+step oldest-openai-agents oldest_openai_agents
 step google-adk alone google-adk google_adk
 step strands alone strands strands
 step crewai alone crewai crewai

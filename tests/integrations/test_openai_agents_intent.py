@@ -23,7 +23,11 @@ from typing import Annotated, Any
 
 import pytest
 from agents import Agent, FunctionTool, RunConfig, Runner, function_tool
-from agents.testing import ScriptedModel, assistant_message, function_call
+
+try:
+    from agents.testing import ScriptedModel, assistant_message, function_call
+except ImportError:  # before 0.21 the SDK ships no scripted model: the project's own
+    from scripted_openai_agents import ScriptedModel, assistant_message, function_call
 from agents.tool_context import ToolContext
 from pydantic import BaseModel, Field, model_validator
 from test_openai_agents import ledger as ledger  # fixtures: the aliases keep them exported

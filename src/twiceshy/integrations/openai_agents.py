@@ -76,7 +76,7 @@ try:
     from pydantic import ValidationError
 except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
     raise ImportError(
-        "twiceshy.integrations.openai_agents needs the OpenAI Agents SDK 0.21 or later: "
+        "twiceshy.integrations.openai_agents needs the OpenAI Agents SDK 0.17.5 or later: "
         f"pip install 'twiceshy[openai-agents]' ({exc})"
     ) from exc
 
@@ -182,9 +182,8 @@ class _Function:
 
 def _function_of(tool: FunctionTool) -> _Function | None:
     """The function behind ``tool`` and the SDK's preparation of its calls, where both are found."""
-    try:
-        fn = tool.__wrapped__
-    except AttributeError:  # built by hand, or agent.as_tool(): no Python function
+    fn = _function_behind(tool)
+    if fn is None:  # built by hand, or agent.as_tool(): no Python function
         return None
     prepare = _sdk_preparation(tool)
     if prepare is None:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
@@ -193,6 +192,28 @@ def _function_of(tool: FunctionTool) -> _Function | None:
             return None
         prepare = _parse_with(schema)
     return _Function(fn, prepare, _context_parameter(fn))
+
+
+def _function_behind(tool: FunctionTool) -> Callable[..., Any] | None:
+    """The Python function ``@function_tool`` made ``tool`` of (``__wrapped__`` from 0.21; before,
+    the invocation keeps it as ``the_func``), or ``None`` for a tool with none behind it."""
+    try:
+        fn: Callable[..., Any] = tool.__wrapped__
+    except AttributeError:
+        found = _closure_value(tool, "the_func")
+        return found if callable(found) else None
+    return fn
+
+
+def _closure_value(tool: FunctionTool, name: str) -> Any:  # pragma: no cover - before 0.22.3
+    """What the invocation ``@function_tool`` made keeps under ``name``, or ``None``: releases
+    before 0.22.3 keep the function and its schema there alone."""
+    invoke = getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
+    names = getattr(getattr(invoke, "__code__", None), "co_freevars", ())
+    for free, cell in zip(names, getattr(invoke, "__closure__", None) or (), strict=False):
+        if free == name:
+            return cell.cell_contents
+    return None
 
 
 def _sdk_preparation(tool: FunctionTool) -> Callable[[str, str], Any] | None:
@@ -212,13 +233,8 @@ def _sdk_preparation(tool: FunctionTool) -> Callable[[str, str], Any] | None:
 def _sdk_schema(tool: FunctionTool) -> FuncSchema | None:  # pragma: no cover - before 0.22.3
     """The schema the invocation of releases before 0.22.3 validates a call with: the very
     object ``@function_tool`` made of the function, which they keep in the invocation only."""
-    invoke = getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
-    names = getattr(getattr(invoke, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, getattr(invoke, "__closure__", None) or (), strict=False):
-        if name == "schema":
-            schema = cell.cell_contents
-            return schema if isinstance(schema, FuncSchema) else None
-    return None
+    schema = _closure_value(tool, "schema")
+    return schema if isinstance(schema, FuncSchema) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +492,7 @@ class _Invoker:
         except Exception as exc:
             text = for_the_model(guard, exc, arguments, scope=run_scope)
             if text is not None:
-                if outer.output_json_schema is not None:
+                if _output_schema(outer) is not None:
                     # A tool with a declared output schema cannot answer in text (the SDK
                     # refuses the output): the run stops with the honest error instead.
                     raise
@@ -503,10 +519,7 @@ class _Invoker:
 
 def _guard_for(ledger: Ledger, tool: FunctionTool, effect: Effect) -> Guard:
     """The guard ``protect`` builds for a tool declared by its effect class alone."""
-    try:
-        fn: Callable[..., Any] | None = tool.__wrapped__
-    except AttributeError:
-        fn = None
+    fn = _function_behind(tool)
     # A function that calls twiceshy.point_of_no_return() says where its effect starts.
     effect_at = effect_at_of(fn)
     try:
@@ -519,10 +532,15 @@ def _guard_for(ledger: Ledger, tool: FunctionTool, effect: Effect) -> Guard:
         return ledger.guard(tool.qualified_name, effect=effect, effect_at=effect_at)
 
 
+def _output_schema(tool: FunctionTool) -> Any:
+    """The tool's declared output schema (``output_json_schema``, from 0.19), if any."""
+    return getattr(tool, "output_json_schema", None)
+
+
 def _as_kept(guard: Guard, tool: FunctionTool, output: Any) -> Any:
     """The output as the ledger is to keep it: itself, or, where it has no JSON form, the text
     the model reads for it (the SDK shows it ``str(output)``), so that a replay reads the same."""
-    if type(output) in _PLAIN or not guard.recorded or tool.output_json_schema is not None:
+    if type(output) in _PLAIN or not guard.recorded or _output_schema(tool) is not None:
         return output
     try:
         _ANY_SIZE.encode(output)
