@@ -184,19 +184,13 @@ EOF
     run oldest "$OLDEST_EXTRAS" tests/integrations
 }
 
-oldest_crewai() {
-    local pins="$VENVS/oldest-crewai.txt"
-    grep '^crewai==' "$OLDEST" >"$pins"
-    build oldest-crewai crewai "$pins" || return 1
-    run oldest-crewai crewai tests/integrations/test_crewai*.py
-}
-
-oldest_openai_agents() {
-    local pins="$VENVS/oldest-openai-agents.txt"
-    grep '^openai-agents==' "$OLDEST" >"$pins"
-    echo "openai==$AGENTS_OLDEST_OPENAI" >>"$pins"
-    build oldest-openai-agents openai-agents "$pins" || return 1
-    run oldest-openai-agents openai-agents tests/integrations/test_openai_agents*.py
+oldest_alone() {  # oldest_alone EXTRA MODULE [PIN...]: one framework at its floor, alone
+    local extra=$1 module=$2 name="oldest-$1" pins="$VENVS/oldest-$1.txt"
+    shift 2
+    # Its own pin from .ci/oldest.txt, and the PINs its floor needs beside it.
+    { grep "^$extra==" "$OLDEST"; [ $# -eq 0 ] || printf '%s\n' "$@"; } >"$pins"
+    build "$name" "$extra" "$pins" || return 1
+    run "$name" "$extra" tests/integrations/test_"$module"*.py
 }
 
 alone() {  # alone EXTRA MODULE: the newest release of one framework, in a venv of its own
@@ -209,8 +203,8 @@ alone() {  # alone EXTRA MODULE: the newest release of one framework, in a venv 
 total=$SECONDS
 uv_tool || { echo "frameworks: could not install uv" >&2; exit 1; }
 step oldest oldest
-step oldest-crewai oldest_crewai
-step oldest-openai-agents oldest_openai_agents
+step oldest-crewai oldest_alone crewai crewai
+step oldest-openai-agents oldest_alone openai-agents openai_agents "openai==$AGENTS_OLDEST_OPENAI"
 step google-adk alone google-adk google_adk
 step strands alone strands strands
 step crewai alone crewai crewai

@@ -60,10 +60,7 @@ import redis
 import twiceshy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import Placement, powertools  # the sibling benchmark's pinning
-
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
-REDIS = "redis://127.0.0.1:6379/0"
+from servers import POSTGRES, REDIS, Placement, powertools, protected, scoped_calls
 
 SyncCall = Callable[[int], object]
 AsyncCall = Callable[[int], Awaitable[object]]
@@ -96,35 +93,31 @@ def twiceshy_cases(url: str) -> tuple[twiceshy.Ledger, SyncCall, SyncCall, Async
     ledger = twiceshy.Ledger(url)
 
     @ledger.tool(effect=twiceshy.KEYED)
-    def charge(amount: int, customer: str) -> dict[str, object]:
-        return {"id": "ch_1", "amount": amount, "customer": customer}
-
-    @ledger.tool(effect=twiceshy.KEYED)
     async def acharge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
+    first, replay = protected(ledger)
+    return ledger, first, replay, *ascoped_calls(twiceshy.run, acharge)
+
+
+def ascoped_calls(
+    scope: Callable[[str], contextlib.AbstractContextManager[object]],
+    charge: Callable[[int, str], Awaitable[object]],
+) -> tuple[AsyncCall, AsyncCall]:
+    """:func:`servers.scoped_calls` for an async ``charge`` (its replay's run has its outcome
+    from the warm-up of :func:`measure`)."""
     tag = secrets.token_hex(4)
     counter = iter(range(10**9))
-    with twiceshy.run(f"{tag}-replay"):
-        charge(4900, "cus_1")
 
-    def first(i: int) -> object:
-        with twiceshy.run(f"{tag}-{next(counter)}"):
-            return charge(4900, "cus_1")
+    async def first(i: int) -> object:
+        with scope(f"{tag}-{next(counter)}"):
+            return await charge(4900, "cus_1")
 
-    def replay(i: int) -> object:
-        with twiceshy.run(f"{tag}-replay"):
-            return charge(4900, "cus_1")
+    async def replay(i: int) -> object:
+        with scope(f"{tag}-replay"):
+            return await charge(4900, "cus_1")
 
-    async def afirst(i: int) -> object:
-        with twiceshy.run(f"{tag}-a{next(counter)}"):
-            return await acharge(4900, "cus_1")
-
-    async def areplay(i: int) -> object:
-        with twiceshy.run(f"{tag}-areplay"):
-            return await acharge(4900, "cus_1")
-
-    return ledger, first, replay, afirst, areplay
+    return first, replay
 
 
 def agent_once_cases(target: Any) -> tuple[Any, SyncCall, SyncCall]:
@@ -137,19 +130,7 @@ def agent_once_cases(target: Any) -> tuple[Any, SyncCall, SyncCall]:
     def charge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
-    tag = secrets.token_hex(4)
-    counter = iter(range(10**9))
-    with once.scope(f"{tag}-replay"):
-        charge(4900, "cus_1")
-
-    def first(i: int) -> object:
-        with once.scope(f"{tag}-{next(counter)}"):
-            return charge(4900, "cus_1")
-
-    def replay(i: int) -> object:
-        with once.scope(f"{tag}-replay"):
-            return charge(4900, "cus_1")
-
+    first, replay = scoped_calls(once.scope, charge)
     return once, first, replay
 
 
@@ -184,20 +165,7 @@ def idemkit_sync_cases(backend: Any) -> tuple[SyncCall, SyncCall]:
     def charge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
-    tag = secrets.token_hex(4)
-    counter = iter(range(10**9))
-    with idemkit_scope(f"{tag}-replay"):
-        charge(4900, "cus_1")
-
-    def first(i: int) -> object:
-        with idemkit_scope(f"{tag}-{next(counter)}"):
-            return charge(4900, "cus_1")
-
-    def replay(i: int) -> object:
-        with idemkit_scope(f"{tag}-replay"):
-            return charge(4900, "cus_1")
-
-    return first, replay
+    return scoped_calls(idemkit_scope, charge)
 
 
 def idemkit_async_cases(
@@ -212,24 +180,9 @@ def idemkit_async_cases(
     async def charge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
-    tag = secrets.token_hex(4)
-    counter = iter(range(10**9))
-
-    async def first(i: int) -> object:
-        with idemkit_scope(f"{tag}-{next(counter)}"):
-            return await charge(4900, "cus_1")
-
-    async def replay(i: int) -> object:
-        with idemkit_scope(f"{tag}-replay"):
-            return await charge(4900, "cus_1")
-
+    first, replay = ascoped_calls(idemkit_scope, charge)
     loop.run_until_complete(replay(0))
     return first, replay
-
-
-def powertools_cases(prefix: str) -> tuple[Any, SyncCall, SyncCall]:
-    """(layer, first, replay) of Powertools' ``idempotent_function`` on the Redis layer."""
-    return powertools(local_cache=False, prefix=prefix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +373,7 @@ def main() -> None:
         closers.append(closing(loop.run_until_complete, ledger.aclose))
         cases.append(Case("redis", "sync", rd, "twiceshy", first, replay))
         cases.append(Case("redis", "async", rd, "twiceshy", afirst, areplay))
-        _, first, replay = powertools_cases(f"{prefix}-powertools")
+        _, first, replay = powertools(local_cache=False, prefix=f"{prefix}-powertools")
         cases.append(Case("redis", "sync", rd, "Powertools", first, replay))
         sync_redis = RedisBackend.from_url(REDIS, namespace=f"{prefix}-idemkit")
         first, replay = idemkit_sync_cases(sync_redis)

@@ -213,18 +213,26 @@ def protected(ledger: twiceshy.Ledger) -> tuple[Callable[[int], object], Callabl
     def charge(amount: int, customer: str) -> dict[str, object]:
         return {"id": "ch_1", "amount": amount, "customer": customer}
 
-    prefix = f"bench-{secrets.token_hex(4)}"
+    return scoped_calls(twiceshy.run, charge)
+
+
+def scoped_calls(
+    scope: Callable[[str], contextlib.AbstractContextManager[object]],
+    charge: Callable[[int, str], object],
+) -> tuple[Callable[[int], object], Callable[[int], object]]:
+    """(first call, replay) of ``charge(4900, "cus_1")`` inside ``scope(run)``: a new run for
+    each first call, one run for every replay (called here once, so that it has its outcome)."""
+    tag = f"bench-{secrets.token_hex(4)}"
     counter = iter(range(10**9))
-    replay_scope = twiceshy.run(f"{prefix}-replay")
-    with replay_scope:
+    with scope(f"{tag}-replay"):
         charge(4900, "cus_1")
 
     def first(i: int) -> object:
-        with twiceshy.run(f"{prefix}-{next(counter)}"):
+        with scope(f"{tag}-{next(counter)}"):
             return charge(4900, "cus_1")
 
     def replay(i: int) -> object:
-        with replay_scope:
+        with scope(f"{tag}-replay"):
             return charge(4900, "cus_1")
 
     return first, replay

@@ -485,6 +485,32 @@ def test_arguments_the_schema_refuses_release_the_intent(ledger: twiceshy.Ledger
     assert wired == [100]
 
 
+@pytest.mark.parametrize("redacted", [True, False], ids=["redacted", "logged"])
+def test_refused_arguments_read_as_the_sdk_answers_them_alone(
+    ledger: twiceshy.Ledger, monkeypatch: pytest.MonkeyPatch, redacted: bool
+) -> None:
+    """What the model reads for arguments the schema refuses is the SDK's own answer, word for
+    word, with its tool data redacted or not (``OPENAI_AGENTS_DONT_LOG_TOOL_DATA``)."""
+    import agents._debug
+
+    monkeypatch.setattr(agents._debug, "DONT_LOG_TOOL_DATA", redacted)
+
+    @function_tool
+    async def wire(amount: int, to: str) -> str:
+        """Wire money."""
+        return f"wired {amount}"
+
+    bad = {"amount": "lots", "to": "acct_1"}
+    answers = []
+    for tools in ([wire], protect([wire], ledger, effects={"wire": twiceshy.UNSAFE})):
+        model = script(calls("call_1", name="wire", args=bad))
+        run(Agent(name="treasury", model=model, tools=tools), group_id="conv-1")
+        answers.append(received(model)["call_1"])
+    alone, protected = answers
+    assert protected == alone
+    assert "error occurred" in alone
+
+
 def test_a_safe_tool_runs_without_a_scope(ledger: twiceshy.Ledger) -> None:
     """A SAFE tool keeps no record, so a run with no scope still gets its answer."""
     looked_up: list[str] = []

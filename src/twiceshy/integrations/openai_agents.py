@@ -16,10 +16,9 @@ How a call is handled:
   parameters by name, its context parameter left out. The SDK's preparation is then handed to
   the invocation, so the function receives the very values that named the intent (releases
   before 0.22.3, which take none, parse the same JSON again with the same schema: equal
-  values). A
-  ``FunctionTool`` with no Python function behind it (built by hand, ``agent.as_tool(...)``) is
-  named by the JSON object the model sent, its schema's defaults filled in. The tool-call id,
-  new on every re-call, is never part of it.
+  values). A ``FunctionTool`` with no Python function behind it (built by hand,
+  ``agent.as_tool(...)``) is named by the JSON object the model sent, its schema's defaults
+  filled in. The tool-call id, new on every re-call, is never part of it.
 - The scope is, in this order: a ``twiceshy.run(...)`` the application entered; else the
   ``scope=`` source (a field of the run context, or a function of the ``ToolContext``); else
   the scope inherited from the protected call the run is nested in (a sub-agent behind a
@@ -55,6 +54,7 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, TypeAlias
 
 try:
@@ -190,7 +190,7 @@ def _function_of(tool: FunctionTool) -> _Function | None:
         schema = _sdk_schema(tool)
         if schema is None:  # another SDK version: the model's JSON names the intent
             return None
-        prepare = _parse_with(schema)
+        prepare = _parse_with(schema, redacts=_sdk_redacts())
     return _Function(fn, prepare, _context_parameter(fn))
 
 
@@ -205,10 +205,15 @@ def _function_behind(tool: FunctionTool) -> Callable[..., Any] | None:
     return fn
 
 
+def _sdk_invocation(tool: FunctionTool) -> Any:  # pragma: no cover - before 0.22.3
+    """The function ``@function_tool`` made to invoke ``tool``, inside the SDK's failure handler."""
+    return getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
+
+
 def _closure_value(tool: FunctionTool, name: str) -> Any:  # pragma: no cover - before 0.22.3
     """What the invocation ``@function_tool`` made keeps under ``name``, or ``None``: releases
     before 0.22.3 keep the function and its schema there alone."""
-    invoke = getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
+    invoke = _sdk_invocation(tool)
     names = getattr(getattr(invoke, "__code__", None), "co_freevars", ())
     for free, cell in zip(names, getattr(invoke, "__closure__", None) or (), strict=False):
         if free == name:
@@ -237,6 +242,13 @@ def _sdk_schema(tool: FunctionTool) -> FuncSchema | None:  # pragma: no cover - 
     return schema if isinstance(schema, FuncSchema) else None
 
 
+def _sdk_redacts() -> bool:  # pragma: no cover - before 0.22.3
+    """Whether the SDK's invocation leaves the refused data out of its error when told not to
+    log tool data: from 0.20; before, its refusals always carry the validation's details."""
+    major, minor = (int(part) for part in metadata.version("openai-agents").split(".")[:2])
+    return (major, minor) >= (0, 20)
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """A call's positional and keyword arguments, as the SDK makes them from its JSON."""
@@ -245,10 +257,13 @@ class _Prepared:
     kwargs: dict[str, Any]
 
 
-def _parse_with(schema: FuncSchema) -> Callable[[str, str], _Prepared]:  # pragma: no cover
+def _parse_with(  # pragma: no cover - before 0.22.3
+    schema: FuncSchema, *, redacts: bool
+) -> Callable[[str, str], _Prepared]:
     """The preparation of releases before 0.22.3, which they do not expose: their invocation's
-    steps with their own JSON parser and the tool's schema, refusals raised as they raise them.
-    Those releases are fixed: the private names below are theirs and cannot move."""
+    steps with their own JSON parser and the tool's schema, refusals raised as they raise them
+    (``redacts``: as :func:`_sdk_redacts` reads the release). Those releases are fixed: the
+    private names below are theirs and cannot move."""
     from agents import _debug
     from agents.tool import _parse_function_tool_json_input
 
@@ -258,7 +273,7 @@ def _parse_with(schema: FuncSchema) -> Callable[[str, str], _Prepared]:  # pragm
         try:
             parsed = schema.params_pydantic_model(**data)
         except ValidationError as exc:
-            if not _debug.DONT_LOG_TOOL_DATA:
+            if not (redacts and _debug.DONT_LOG_TOOL_DATA):
                 raise ModelBehaviorError(f"{refused}: {exc}") from exc
         else:
             args, kwargs = schema.to_call_args(parsed)
