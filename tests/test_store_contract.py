@@ -9,7 +9,9 @@ Every test runs against each store kind, blocking and then its async twin (the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import pickle
 import secrets
 import threading
 import time
@@ -133,6 +135,28 @@ def test_claim_on_empty_key_wins_with_fence_one(store: Store, clock: FakeClock) 
     )
     assert fields(record) == fields(expected)
     assert fields(store.get(NS, KEY).record) == fields(expected)
+
+
+def test_answers_are_frozen_values(store: Store) -> None:
+    """What a store answers is a frozen value: the same as one built field by field, equal,
+    hashed and pickled alike, and refusing to change, so a caller can never alter a record
+    the store (or a process remembering outcomes) still holds."""
+    claimed = claim(store, "alice")
+    record = claimed.record
+    assert record is not None
+    written = store.write(NS, KEY, Change(1, CLAIMED, State.SUCCEEDED, owner="alice", result="1"))
+    answers = ((claimed, "won"), (record, "state"), (written, "won"), (written.record, "state"))
+    for value, name in answers:
+        assert value is not None
+        rebuilt = type(value)(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+        assert value == rebuilt
+        assert hash(value) == hash(rebuilt)
+        assert repr(value) == repr(rebuilt)
+        assert pickle.loads(pickle.dumps(value)) == value
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, name, None)
+    assert dataclasses.replace(record, state=State.RELEASED).state is State.RELEASED
+    assert record.state is State.CLAIMED
 
 
 def test_second_claim_by_other_owner_loses_unchanged(store: Store, clock: FakeClock) -> None:

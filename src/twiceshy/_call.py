@@ -26,7 +26,7 @@ from ._commands import Claim, Run, Write
 from ._inflight import Flight
 from ._protocol import CallPlan, Policy, abandoned, protect, retry_only
 from ._reconciling import Reconciler
-from ._records import Effect, Outcome, Snapshot, State
+from ._records import Effect, Outcome, Snapshot, State, make_snapshot
 from ._runtime import Around, Runtime
 from ._scope import told
 from .errors import (
@@ -179,9 +179,7 @@ def called(call: Call) -> Generator[Any, Any, Any]:
     except BaseException as exc:
         outcome = _outcome_of(exc, call)
         told(outcome)
-        runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc)
-        if call.ran and runtime.tally is not None:  # ran, whatever it answers
-            runtime.tally.add_ran(p.name)
+        runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc, call.ran)
         if around is not None:
             around.__exit__(type(exc), exc, exc.__traceback__)
         raise
@@ -189,9 +187,7 @@ def called(call: Call) -> Generator[Any, Any, Any]:
     # answered the record's outcome instead (a newer owner's).
     outcome = Outcome.EXECUTED if call.ran else call.outcome
     told(outcome)
-    runtime.answered(p.name, p.effect, call.key, outcome, call.clock, None)
-    if call.ran and runtime.tally is not None:
-        runtime.tally.add_ran(p.name)
+    runtime.answered(p.name, p.effect, call.key, outcome, call.clock, None, call.ran)
     if around is not None:
         around.__exit__(None, None, None)
     return value
@@ -283,7 +279,7 @@ def _as_read_by(plan: CallPlan, snap: Snapshot) -> Snapshot:
     owner token holds it (no other call has that token)."""
     record = snap.record
     if record is not None and record.state is State.CLAIMED and record.owner == plan.owner:
-        return Snapshot(record, snap.now, True)
+        return make_snapshot(record, snap.now, True)
     return snap
 
 

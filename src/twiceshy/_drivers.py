@@ -239,8 +239,8 @@ def _begin(command: Run, call: Call) -> str:
             plan.key,
             policy.tool,
             policy.effect,
-            effect_at=policy.effect_at,
-            confirm=functools.partial(heartbeat.confirm, job, policy.effect, policy.tool),
+            policy.effect_at,
+            functools.partial(heartbeat.confirm, job, policy.effect, policy.tool),
         )
         call.attempt = (job, current, set_call(current))
     except BaseException:  # Ctrl-C right here: no renewal may outlive the call
@@ -274,7 +274,7 @@ def _returned(call: Call, value: object, *, blocking: bool) -> Ran:
     if call.plan is None:
         return Ran(value=value)
     _ended(call)
-    if blocking and inspect.isawaitable(value):
+    if blocking and type(value) not in _NEVER_AWAITED and inspect.isawaitable(value):
         # An async tool protected as a blocking one (a plain decorator around an async def):
         # nothing has run yet, and nothing will. Released, with an error that says why.
         close = getattr(value, "close", None)
@@ -282,6 +282,10 @@ def _returned(call: Call, value: object, *, blocking: bool) -> Ran:
             close()
         return Ran(error=_ReturnedAwaitable(call.protection.name))
     return Ran(value=value)
+
+
+_NEVER_AWAITED: Final = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes})
+"""What tools return most, and no awaitable is (``inspect.isawaitable`` asks an ABC)."""
 
 
 def nested_work(work: Work, deferred: Deferred) -> Work:

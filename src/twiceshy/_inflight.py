@@ -207,14 +207,17 @@ class Heartbeat:
     renewal refused by the store (a newer fence) marks the call as fenced out; a store error is
     logged and retried at the next beat.
 
-    A call that ends leaves its entry in the heap only while the entries of ended calls are at
-    most half of it: past that they are all dropped at once, so a burst of calls leaves nothing
-    behind when it ends, and each end costs O(1) on average.
+    A call that ends drops its entry at once when it is the next one due (as it is when calls
+    run one at a time). Otherwise the entry stays only while the entries of ended calls are at
+    most half of the heap: past that they are all dropped at once, so a burst of calls leaves
+    nothing behind when it ends, and each end costs O(log n) on average.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._cond = threading.Condition()
+        # Calls take the condition's lock directly (``Condition.__enter__`` is Python code).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, Renewal]] = []
         self._ended = 0  # entries of the heap whose call has ended
         self._seq = itertools.count()
@@ -229,7 +232,8 @@ class Heartbeat:
         # The leases of calls running in the parent are not the child's to renew: were the
         # parent to die mid-call, a child renewing them would keep its intents claimed forever.
         # The condition's lock may be held by the parent's heartbeat thread, absent here.
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._heap = []
         self._ended = 0
         self._thread = None
@@ -283,33 +287,36 @@ class Heartbeat:
     @property
     def leases(self) -> int:
         """How many leases the heartbeat holds: the running calls', and as many ended at most."""
-        with self._cond:
+        with self._lock:
             return len(self._heap)
 
     def _schedule(self, job: Renewal) -> None:
         """Put ``job`` on the heap for its ``due`` time; start or wake the thread if needed."""
-        with self._cond:
+        with self._lock:
             if job.stopped:
                 return  # ended while it was being renewed
             job.queued += 1
             job.seq = next(self._seq)
             heapq.heappush(self._heap, (job.due, job.seq, job))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="twiceshy-heartbeat", daemon=True
-                )
-                self._thread.start()
+            if self._thread is None:  # the loop clears it whenever it ends
+                thread = threading.Thread(target=self._loop, name="twiceshy-heartbeat", daemon=True)
+                thread.start()
+                self._thread = thread
             elif job.due < self._wake_at:
                 self._cond.notify()
 
     def stop(self, job: Renewal) -> None:
         """Stop renewing a lease; its entry goes at the latest once ended ones are half the heap."""
-        with self._cond:
+        with self._lock:
             if job.stopped:
                 return
             job.stopped = True
+            heap = self._heap
+            if job.queued and heap[0][2] is job:  # the next one due: dropped now
+                heapq.heappop(heap)
+                job.queued -= 1
             self._ended += job.queued
-            if 2 * self._ended > len(self._heap):
+            if 2 * self._ended > len(heap):
                 for _, _, ended in self._heap:
                     if ended.stopped:
                         ended.queued = 0
@@ -318,6 +325,14 @@ class Heartbeat:
                 self._ended = 0
 
     def _loop(self) -> None:
+        try:
+            self._beating()
+        except BaseException:  # (it cannot start a renewal's thread): the next lease starts one
+            with self._lock:
+                self._thread = None
+            raise
+
+    def _beating(self) -> None:
         while True:
             with self._cond:
                 while self._heap and self._heap[0][2].stopped:

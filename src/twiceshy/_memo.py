@@ -22,7 +22,7 @@ from typing import Final
 
 from ._forks import reset_in_children
 from ._protocol import CallPlan
-from ._records import Record, Snapshot, State
+from ._records import Record, Snapshot, State, make_snapshot
 
 _SETTLED: Final = frozenset({State.SUCCEEDED, State.FAILED})
 
@@ -59,7 +59,7 @@ class Remembered:
                 return None
             self._entries.move_to_end(name)
         # The store's clock now is at most its reading plus the time since the command was sent.
-        return Snapshot(record, store_now + (now - sent), False)
+        return make_snapshot(record, store_now + (now - sent), False)
 
     def keep(self, plan: CallPlan, snap: Snapshot, sent: float) -> None:
         """Keep the record in a store's answer if it is settled; ``sent``: monotonic, before."""

@@ -14,6 +14,7 @@ which refuses one the table does not allow.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -41,7 +42,7 @@ from ._commands import (
     Wait,
     Write,
 )
-from ._records import Change, Effect, Outcome, Record, Snapshot, State
+from ._records import Change, Effect, Outcome, Record, Snapshot, State, make_change
 from ._rules import (
     ENDINGS,
     FOUND,
@@ -105,18 +106,44 @@ trusting its lease before the store would let it lapse).
 
 
 def _change(
-    actor: Actor, record: Record, to: State, *, also_from: frozenset[State] = frozenset(), **kw: Any
+    actor: Actor,
+    record: Record,
+    to: State,
+    *,
+    also_from: frozenset[State] = frozenset(),
+    owner: str | None = None,
+    lapsed: bool = False,
+    new_owner: str | None = None,
+    lease: float | None = None,
+    count_attempt: bool = False,
+    result: str | None = None,
+    error: str | None = None,
+    reason: str | None = None,
+    ttl: float | None = None,
 ) -> Change:
     """A guarded write of ``record`` to ``to`` by ``actor``, checked against the table."""
     sources = _ONLY[record.state] | also_from if also_from else _ONLY[record.state]
-    for source in sources:
-        if actor not in TRANSITIONS.get((source, to), _NOBODY):
-            raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
-    return Change(fence=record.fence, from_states=sources, to=to, **kw)
+    if (actor, sources, to) not in _ALLOWED:
+        for source in sources:
+            if actor not in TRANSITIONS.get((source, to), _NOBODY):
+                raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
+    fields = (owner, lapsed, new_owner, lease, count_attempt, result, error, reason, ttl)
+    if new_owner is not None:  # a take-over: checked as Change() checks it
+        return Change(record.fence, sources, to, *fields)
+    return make_change(record.fence, sources, to, *fields)
 
 
 _ONLY: Final = {state: frozenset({state}) for state in State}
 _NOBODY: Final[frozenset[Actor]] = frozenset()
+_ALLOWED: Final = frozenset(
+    (actor, frozenset(sources), to)
+    for actor in Actor
+    for to in State
+    for n in (1, 2)
+    for sources in itertools.combinations(State, n)
+    if all(actor in TRANSITIONS.get((source, to), _NOBODY) for source in sources)
+)
+"""The writes :data:`TRANSITIONS` allows from one or two states at once, looked up once."""
 
 
 def renewal(fence: int, owner: str, lease: float, *, take_back: bool = False) -> Change:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, TypeVar
 
 __all__ = [
     "FINAL_STATES",
@@ -18,8 +20,13 @@ __all__ = [
     "apply_change",
     "guard_holds",
     "is_live",
+    "make_change",
+    "make_record",
+    "make_snapshot",
     "new_claim",
 ]
+
+_V = TypeVar("_V")
 
 
 class Effect(enum.Enum):
@@ -209,6 +216,40 @@ FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.RELEASED})
 """States whose records expire after their retention; CLAIMED and UNKNOWN never expire."""
 
 
+def _positional(cls: type[_V]) -> Callable[..., _V]:
+    """A constructor of the frozen slotted dataclass ``cls`` taking every field positionally,
+    for the values every call makes (a record, a change, a snapshot).
+
+    The object is one ``cls(...)`` would make: as frozen, equal, hashed and printed the same.
+    A frozen dataclass sets each field through ``object.__setattr__``, and keywords cost more
+    still: a 17-field record took about 2.6 µs. Here a plain slotted twin with the same fields
+    (so the same layout) sets them, and the object then takes ``cls`` as its class: 0.4 µs.
+    ``__post_init__`` is not run: a caller checks what it would.
+    """
+    twin: Any = dataclasses.make_dataclass(
+        f"_{cls.__name__}Fields",
+        [(f.name, Any) for f in dataclasses.fields(cls)],  # type: ignore[arg-type]
+        slots=True,
+        eq=False,
+        repr=False,
+    )
+    if twin.__slots__ != cls.__slots__:  # type: ignore[attr-defined]  # pragma: no cover
+        raise TypeError(f"{cls.__name__} has slots its fields do not name")
+
+    def make(*values: Any) -> _V:
+        made = twin(*values)
+        made.__class__ = cls
+        return made  # type: ignore[no-any-return]
+
+    make.__doc__ = f"A {cls.__name__} from all its fields, in order (see :func:`_positional`)."
+    return make
+
+
+make_record: Final = _positional(Record)
+make_change: Final = _positional(Change)
+make_snapshot: Final = _positional(Snapshot)
+
+
 def is_live(record: Record, now: float) -> bool:
     """Whether a record still counts: not past its retention on the store's clock."""
     return record.expires_at is None or record.expires_at > now
@@ -228,24 +269,24 @@ def new_claim(
     args: str | None = None,
 ) -> Record:
     """The record a winning claim inserts (reference semantics for stores)."""
-    return Record(
-        namespace=namespace,
-        key=key,
-        fingerprint=fingerprint,
-        tool=tool,
-        effect=effect,
-        state=State.CLAIMED,
-        fence=fence,
-        owner=owner,
-        lease_deadline=now + lease,
-        attempts=1,
-        result=None,
-        error=None,
-        reason=None,
-        created_at=now,
-        updated_at=now,
-        expires_at=None,
-        args=args,
+    return make_record(
+        namespace,
+        key,
+        fingerprint,
+        tool,
+        effect,
+        State.CLAIMED,
+        fence,
+        owner,
+        now + lease,  # lease_deadline
+        1,  # attempts
+        None,  # result
+        None,  # error
+        None,  # reason
+        now,  # created_at
+        now,  # updated_at
+        None,  # expires_at
+        args,
     )
 
 
@@ -264,24 +305,26 @@ def apply_change(record: Record, change: Change, now: float) -> Record:
     """The record after ``change`` (reference semantics for stores); guards are not checked."""
     bump = change.new_owner is not None
     to = change.to
-    return Record(
-        namespace=record.namespace,
-        key=record.key,
-        fingerprint=record.fingerprint,
-        tool=record.tool,
-        effect=record.effect,
-        state=to,
-        fence=record.fence + 1 if bump else record.fence,
-        owner=change.new_owner if change.new_owner is not None else record.owner,
-        lease_deadline=(now + change.lease if change.lease is not None else record.lease_deadline)
-        if to is State.CLAIMED
+    claimed = to is State.CLAIMED
+    return make_record(
+        record.namespace,
+        record.key,
+        record.fingerprint,
+        record.tool,
+        record.effect,
+        to,
+        record.fence + 1 if bump else record.fence,
+        change.new_owner if bump else record.owner,
+        # lease_deadline: only a claimed record has one
+        (now + change.lease if change.lease is not None else record.lease_deadline)
+        if claimed
         else None,
-        attempts=record.attempts + (1 if bump or change.count_attempt else 0),
-        result=change.result if to is State.SUCCEEDED else None,
-        error=change.error if to is State.FAILED or to is State.UNKNOWN else None,
-        reason=change.reason if to is State.UNKNOWN else None,
-        created_at=record.created_at,
-        updated_at=now,
-        expires_at=now + change.ttl if to in FINAL_STATES and change.ttl is not None else None,
-        args=record.args,
+        record.attempts + (1 if bump or change.count_attempt else 0),
+        change.result if to is State.SUCCEEDED else None,
+        change.error if to is State.FAILED or to is State.UNKNOWN else None,
+        change.reason if to is State.UNKNOWN else None,
+        record.created_at,
+        now,  # updated_at
+        now + change.ttl if to in FINAL_STATES and change.ttl is not None else None,
+        record.args,
     )

@@ -102,14 +102,15 @@ class Runtime:
         outcome: Outcome,
         clock: float,
         error: BaseException | None,
+        ran: bool = False,
     ) -> None:
         """A call was answered: count it; tell observers and the log when anyone listens.
 
-        ``clock`` is when the call began (``time.perf_counter()``). An unknown outcome is always
-        worth a warning, observed or not.
+        ``clock`` is when the call began (``time.perf_counter()``); ``ran``, whether it ran the
+        tool, whatever it answers. An unknown outcome is always worth a warning, observed or not.
         """
         if self.tally is not None:
-            self.tally.add(tool, outcome)
+            self.tally.add(tool, outcome, ran)
         if self.observers or log.isEnabledFor(logging.DEBUG) or outcome is Outcome.UNKNOWN:
             duration = time.perf_counter() - clock
             self._tell(tool, effect, key, error, outcome, time.time() - duration, duration)

@@ -90,7 +90,6 @@ class Current:
         key: str,
         tool: str,
         effect: Effect,
-        *,
         effect_at: str | None = None,
         confirm: Callable[[], None] | None = None,
     ) -> None:

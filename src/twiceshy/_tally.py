@@ -55,23 +55,19 @@ class Tally:
         self._closed = False
         reset_in_children(self)
 
-    def add(self, tool: str, outcome: Outcome) -> None:
-        """Count one call."""
+    def add(self, tool: str, outcome: Outcome, ran: bool = False) -> None:
+        """Count one call; ``ran``: it ran the tool (counted beside its outcome)."""
         key = (tool, outcome._value_)  # (``.value`` is a descriptor, slower)
         with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + 1
+            counts = self._counts  # (flushing swaps it, under the lock)
+            counts[key] = counts.get(key, 0) + 1
+            if ran:
+                counts[tool, RAN] = counts.get((tool, RAN), 0) + 1
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(
                     target=self._loop, name="twiceshy-counts", daemon=True
                 )
                 self._thread.start()
-
-    def add_ran(self, tool: str) -> None:
-        """Count one call that ran the tool (it is also counted by its outcome)."""
-        key = (tool, RAN)
-        with self._lock:
-            # Always beside an add() of the same call, which started the flushing thread.
-            self._counts[key] = self._counts.get(key, 0) + 1
 
     def _after_fork_in_child(self) -> None:
         # A forked child: the counts it inherited are its parent's to flush (by any path: a

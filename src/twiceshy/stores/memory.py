@@ -21,6 +21,7 @@ from .._records import (
     apply_change,
     guard_holds,
     is_live,
+    make_snapshot,
     new_claim,
 )
 
@@ -75,7 +76,7 @@ class MemoryStore:
             existing = self._records.get((namespace, key))
             if existing is not None and is_live(existing, now):
                 won = existing.state is State.CLAIMED and existing.owner == owner
-                return Snapshot(existing, now, won)
+                return make_snapshot(existing, now, won)
             fence = existing.fence + 1 if existing is not None else 1
             record = new_claim(
                 namespace,
@@ -92,7 +93,7 @@ class MemoryStore:
             self._records[(namespace, key)] = record
             if self._waiting:
                 self._changed.notify_all()
-            return Snapshot(record, now, True)
+            return make_snapshot(record, now, True)
 
     def write(self, namespace: str, key: str, change: Change) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.write`."""
@@ -100,18 +101,18 @@ class MemoryStore:
             now = self._clock()
             record = self._live(namespace, key, now)
             if record is None or not guard_holds(record, change, now):
-                return Snapshot(record, now, False)
+                return make_snapshot(record, now, False)
             record = apply_change(record, change, now)
             self._records[(namespace, key)] = record
             if self._waiting:
                 self._changed.notify_all()
-            return Snapshot(record, now, True)
+            return make_snapshot(record, now, True)
 
     def get(self, namespace: str, key: str) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.get`."""
         with self._lock:
             now = self._clock()
-            return Snapshot(self._live(namespace, key, now), now)
+            return make_snapshot(self._live(namespace, key, now), now, False)
 
     def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.wait`."""
@@ -121,10 +122,10 @@ class MemoryStore:
                 now = self._clock()
                 record = self._live(namespace, key, now)
                 if record is None or record.state is not State.CLAIMED or record.fence != fence:
-                    return Snapshot(record, now)
+                    return make_snapshot(record, now, False)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return Snapshot(record, now)
+                    return make_snapshot(record, now, False)
                 self._waiting += 1
                 try:
                     self._changed.wait(left)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 from urllib.parse import quote
 
-from ..._records import FINAL_STATES, Change, Effect, Record, State
+from ..._records import FINAL_STATES, Change, Effect, Record, State, make_record
 from ...errors import StoreError
 
 SCHEMA_VERSION: Final = 1
@@ -126,24 +126,24 @@ def _text(item: Item, name: str) -> str | None:
 def record(item: Item) -> Record:
     """The record an item holds; :class:`~twiceshy.StoreError` if it holds none."""
     try:
-        return Record(
-            namespace=item["ns"]["S"],
-            key=item["key"]["S"],
-            fingerprint=item["fingerprint"]["S"],
-            tool=item["tool"]["S"],
-            effect=_EFFECTS[item["effect"]["S"]],
-            state=_STATES[item["state"]["S"]],
-            fence=int(item["fence"]["N"]),
-            owner=item["owner"]["S"],
-            lease_deadline=_float(item, "lease_deadline"),
-            attempts=int(item["attempts"]["N"]),
-            result=_text(item, "result"),
-            error=_text(item, "error"),
-            reason=_text(item, "reason"),
-            created_at=float(item["created_at"]["N"]),
-            updated_at=float(item["updated_at"]["N"]),
-            expires_at=_float(item, "expires_at"),
-            args=_text(item, "args"),
+        return make_record(  # the fields in Record's order
+            item["ns"]["S"],
+            item["key"]["S"],
+            item["fingerprint"]["S"],
+            item["tool"]["S"],
+            _EFFECTS[item["effect"]["S"]],
+            _STATES[item["state"]["S"]],
+            int(item["fence"]["N"]),
+            item["owner"]["S"],
+            _float(item, "lease_deadline"),
+            int(item["attempts"]["N"]),
+            _text(item, "result"),
+            _text(item, "error"),
+            _text(item, "reason"),
+            float(item["created_at"]["N"]),
+            float(item["updated_at"]["N"]),
+            _float(item, "expires_at"),
+            _text(item, "args"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         shown = _text(item, PK) if isinstance(item, dict) else None

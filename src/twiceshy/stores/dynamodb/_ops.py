@@ -18,7 +18,16 @@ from typing import Any, Final, TypeAlias, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
-from ..._records import FINAL_STATES, Change, Effect, Record, Snapshot, State, is_live
+from ..._records import (
+    FINAL_STATES,
+    Change,
+    Effect,
+    Record,
+    Snapshot,
+    State,
+    is_live,
+    make_snapshot,
+)
 from ...errors import LedgerNotFound, StoreError, StoreUnavailable
 from ._core import Core
 from ._errors import CONDITION_FAILED, NO_TABLE, TABLE_IN_USE, code
@@ -113,14 +122,14 @@ def claim(
             except ClientError as exc:
                 item = yield from _item_that_failed(core, pk, exc)
             else:
-                return Snapshot(record(reply["Attributes"]), now, True)
+                return make_snapshot(record(reply["Attributes"]), now, True)
             # A live record stood in the way. Sent again after a lost answer (by the SDK), a
             # claim meets the record it made itself: its owner token tells.
             at = core.now()
             found = None if item is None else record(item)
             if found is not None and is_live(found, at):
                 won = found.state is State.CLAIMED and found.owner == owner
-                return Snapshot(found, at, won)
+                return make_snapshot(found, at, won)
             # Deleted or expired since the condition failed: claim again.
         raise StoreError(f"DynamoDB ledger could not settle the claim of {namespace!r}/{key!r}")
 
@@ -146,14 +155,16 @@ def write(core: Core, namespace: str, key: str, change: Change) -> Op[Snapshot]:
             except ClientError as exc:
                 item = yield from _item_that_failed(core, pk, exc)
             else:
-                return Snapshot(record(reply["Attributes"]), now, True)
+                return make_snapshot(record(reply["Attributes"]), now, True)
         if written_by(item, write_id):
             # Ours, applied by an earlier attempt; answered as written even if its record has
             # expired since (a retention near 0): answered as gone, the caller would claim
             # afresh and run the work a second time.
-            return Snapshot(record(item), now, True)
+            return make_snapshot(record(item), now, True)
         found = None if item is None else record(item)
-        return Snapshot(found if found is not None and is_live(found, now) else None, now)
+        return make_snapshot(
+            found if found is not None and is_live(found, now) else None, now, False
+        )
 
     return (yield from _guarded(core, "write", attempt))
 
@@ -166,7 +177,9 @@ def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
         now = core.now()
         item = reply.get("Item")
         found = None if item is None else record(item)
-        return Snapshot(found if found is not None and is_live(found, now) else None, now)
+        return make_snapshot(
+            found if found is not None and is_live(found, now) else None, now, False
+        )
 
     return (yield from _guarded(core, "read", attempt))
 

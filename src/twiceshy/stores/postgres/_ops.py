@@ -25,6 +25,8 @@ from ..._records import (
     State,
     guard_holds,
     is_live,
+    make_record,
+    make_snapshot,
 )
 from ...errors import LedgerNotFound, StoreError
 from ._errors import store_error
@@ -76,7 +78,7 @@ def record_of(cols: Sequence[Any]) -> Record | None:
     if cols[0] is None:
         return None
     try:
-        return Record(
+        return make_record(
             cols[0],
             cols[1],
             cols[2],
@@ -302,9 +304,11 @@ def claim_op(
             continue
         at, inserted, record = answer(rows)
         if inserted:
-            return Snapshot(record, at, True)
+            return make_snapshot(record, at, True)
         if record is not None and is_live(record, at):
-            return Snapshot(record, at, record.state is State.CLAIMED and record.owner == owner)
+            return make_snapshot(
+                record, at, record.state is State.CLAIMED and record.owner == owner
+            )
         # The INSERT met a row committed after this statement's snapshot: look again.
     raise StoreError(f"PostgreSQL ledger could not settle the claim of {namespace!r}/{key!r}")
 
@@ -324,21 +328,21 @@ def write_op(st: Statements, now: Now, namespace: str, key: str, change: Change)
             continue
         at, applied, record = answer(rows)
         if applied:
-            return Snapshot(record, at, True)
+            return make_snapshot(record, at, True)
         if lost and record is not None and shows(record, change):
             # Our write committed before the connection broke. It is ours even if its record
             # has expired since (a retention near 0): answered as gone, the caller would claim
             # afresh and run the work a second time.
-            return Snapshot(record, at, True)
+            return make_snapshot(record, at, True)
         live = record if record is not None and is_live(record, at) else None
         if live is None:
-            return Snapshot(None, at, False)
+            return make_snapshot(None, at, False)
         if guard_holds(live, change, at) and not looked_again:
             # The snapshot shows a version the UPDATE did not meet: it waited for a concurrent
             # writer and found the record changed. Look again with a fresh snapshot.
             looked_again = True
             continue
-        return Snapshot(live, at, False)
+        return make_snapshot(live, at, False)
     raise StoreError(f"PostgreSQL ledger could not settle a write of {namespace!r}/{key!r}")
 
 
@@ -351,7 +355,7 @@ def get_op(st: Statements, now: Now, namespace: str, key: str) -> Op[Snapshot]:
         raise StoreError("PostgreSQL ledger: unexpected answer to a read")
     at = float(rows[0][0])
     record = record_of(rows[0][1:])
-    return Snapshot(record if record is not None and is_live(record, at) else None, at)
+    return make_snapshot(record if record is not None and is_live(record, at) else None, at, False)
 
 
 def records_op(
@@ -429,10 +433,10 @@ def mark_op(st: Statements, now: Now, namespace: str, key: str, fence: int) -> O
     at, marked, watched = float(rows[0][0]), bool(rows[0][1]), bool(rows[0][2])
     record = record_of(rows[0][3:])
     if marked:
-        return Snapshot(record, at)
+        return make_snapshot(record, at, False)
     if record is not None and record.state is State.CLAIMED and record.fence == fence:
-        return Snapshot(record, at) if watched else None
-    return Snapshot(record if record is not None and is_live(record, at) else None, at)
+        return make_snapshot(record, at, False) if watched else None
+    return make_snapshot(record if record is not None and is_live(record, at) else None, at, False)
 
 
 def wait_op(

@@ -17,7 +17,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..._records import Effect, Record, Snapshot, State
+from ..._records import Effect, Record, Snapshot, State, make_record, make_snapshot
 from ...errors import StoreError, StoreUnavailable
 
 log = logging.getLogger("twiceshy")
@@ -39,24 +39,24 @@ def _float(value: str | None) -> float | None:
 def record(fields: Mapping[str, str]) -> Record:
     """The record a hash's fields hold; :class:`~twiceshy.StoreError` if they hold none."""
     try:
-        return Record(
-            namespace=fields["namespace"],
-            key=fields["key"],
-            fingerprint=fields["fingerprint"],
-            tool=fields["tool"],
-            effect=_EFFECTS[fields["effect"]],
-            state=_STATES[fields["state"]],
-            fence=int(fields["fence"]),
-            owner=fields["owner"],
-            lease_deadline=_float(fields.get("lease_deadline")),
-            attempts=int(fields["attempts"]),
-            result=fields.get("result"),
-            error=fields.get("error"),
-            reason=fields.get("reason"),
-            created_at=float(fields["created_at"]),
-            updated_at=float(fields["updated_at"]),
-            expires_at=_float(fields.get("expires_at")),
-            args=fields.get("args"),
+        return make_record(  # the fields in Record's order
+            fields["namespace"],
+            fields["key"],
+            fields["fingerprint"],
+            fields["tool"],
+            _EFFECTS[fields["effect"]],
+            _STATES[fields["state"]],
+            int(fields["fence"]),
+            fields["owner"],
+            _float(fields.get("lease_deadline")),
+            int(fields["attempts"]),
+            fields.get("result"),
+            fields.get("error"),
+            fields.get("reason"),
+            float(fields["created_at"]),
+            float(fields["updated_at"]),
+            _float(fields.get("expires_at")),
+            fields.get("args"),
         )
     except (KeyError, ValueError) as exc:
         raise StoreError(f"Redis ledger: unreadable record {dict(fields)!r}: {exc}") from exc
@@ -83,7 +83,7 @@ def snapshot(reply: object) -> Snapshot:
             found = None
     elif len(reply) != 2:
         raise StoreError(f"Redis ledger: unexpected script answer {reply!r}")
-    return Snapshot(found, now, won)
+    return make_snapshot(found, now, won)
 
 
 def settled(snap: Snapshot, fence: int) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from ..._records import FINAL_STATES, Change, Effect, Record, State
+from ..._records import FINAL_STATES, Change, Effect, Record, State, make_record
 from ...errors import StoreError
 
 SCHEMA_VERSION: Final = 2
@@ -315,7 +315,7 @@ def to_record(row: Sequence[Any]) -> Record:
     """
     # Columns are in Record's field order (COLUMNS); only the two enums need converting.
     try:
-        return Record(
+        return make_record(
             row[0],
             row[1],
             row[2],

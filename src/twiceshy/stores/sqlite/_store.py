@@ -17,7 +17,16 @@ from datetime import timedelta
 from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ..._records import Change, Effect, Record, Snapshot, State, is_live, new_claim
+from ..._records import (
+    Change,
+    Effect,
+    Record,
+    Snapshot,
+    State,
+    is_live,
+    make_snapshot,
+    new_claim,
+)
 from ...errors import StoreError
 from . import _sql
 from ._files import LedgerFile
@@ -225,7 +234,7 @@ class SQLiteStore:
         # answered from a plain read, without taking the writer's lock.
         if existing is not None and is_live(existing, now):
             won = existing.state is State.CLAIMED and existing.owner == owner
-            return Snapshot(existing, now, won)
+            return make_snapshot(existing, now, won)
 
         with files.lend(write=True) as conn:
             # Read the clock once the lock is held: waiting for it must not shorten the lease.
@@ -249,7 +258,7 @@ class SQLiteStore:
         if record is None or not is_live(record, now):  # cannot happen: the row was just read
             raise StoreError(f"SQLite ledger lost the claim of {namespace!r}/{key!r}")
         won = inserted or (record.state is State.CLAIMED and record.owner == owner)
-        return Snapshot(record, now, won)
+        return make_snapshot(record, now, won)
 
     def write(self, namespace: str, key: str, change: Change) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.write`."""
@@ -263,7 +272,7 @@ class SQLiteStore:
             self._notify()
         elif record is not None and not is_live(record, now):
             record = None  # a record past its retention is no record; one just written is
-        return Snapshot(record, now, won)
+        return make_snapshot(record, now, won)
 
     def get(self, namespace: str, key: str) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.get`."""
@@ -272,7 +281,7 @@ class SQLiteStore:
             record = _read(conn, namespace, key)
         if record is not None and not is_live(record, now):
             record = None
-        return Snapshot(record, now)
+        return make_snapshot(record, now, False)
 
     def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
         """See :meth:`twiceshy.stores.Store.wait`.
