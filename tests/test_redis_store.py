@@ -38,6 +38,7 @@ from twiceshy.cli import main
 from twiceshy.errors import StoreError, StoreUnavailable
 from twiceshy.stores import open_store
 from twiceshy.stores.redis import AsyncRedisStore, EvictionPolicyRefused, RedisStore, split_url
+from twiceshy.stores.redis._core import bounded_writes
 
 pytestmark = pytest.mark.redis
 
@@ -562,6 +563,52 @@ def test_unreachable_server_fails_fast() -> None:
     with pytest.raises(twiceshy.StoreUnavailable):
         twiceshy.Ledger("redis://127.0.0.1:1/0")
     assert time.monotonic() - started < 3.0
+
+
+# redis-py 8 deprecates lib_name= for driver_info=, which older releases lack; either skips the
+# CLIENT SETINFO that the silent peer below would never answer.
+@pytest.mark.filterwarnings("ignore:Call to '__init__' function with deprecated usage")
+def test_an_async_write_the_server_never_reads_fails_as_redis_py_fails_it() -> None:
+    """An async command whose bytes a server stops taking fails once ``socket_timeout`` has
+    passed, as redis-py's own connection fails it: a ``redis.exceptions.TimeoutError`` (a store
+    error to the call), the connection dropped. On Python 3.11 the async store bounds its
+    writes itself (``bounded_writes``); here a loopback peer accepts and never reads."""
+    peer = socket.create_server(("127.0.0.1", 0))
+    port = peer.getsockname()[1]
+    accepted: list[socket.socket] = []
+    taker = threading.Thread(target=lambda: accepted.append(peer.accept()[0]), daemon=True)
+    taker.start()
+    connection = bounded_writes(redis.asyncio.Connection)(
+        host="127.0.0.1",
+        port=port,
+        socket_timeout=0.3,
+        socket_connect_timeout=2.0,
+        protocol=2,  # no HELLO on connecting, and no CLIENT SETINFO: the peer answers nothing
+        lib_name=None,
+        lib_version=None,
+    )
+
+    failed: list[BaseException] = []
+
+    async def send_until_stuck() -> None:
+        await connection.connect()
+        try:
+            # More than any socket buffer holds: the write waits for a reader that never comes.
+            await connection.send_packed_command([b"x" * (64 << 20)], check_health=False)
+        except redis.exceptions.TimeoutError as exc:
+            failed.append(exc)
+        taker.join(5)
+        for conn in accepted:  # the peer goes, so the dropped transport can finish closing
+            conn.close()
+        await asyncio.sleep(0.1)
+
+    try:
+        asyncio.run(asyncio.wait_for(send_until_stuck(), 10.0))
+        assert len(failed) == 1
+        assert "writing" in str(failed[0])
+        assert not connection.is_connected
+    finally:
+        peer.close()
 
 
 def test_closed_store_refuses_calls(stores: Callable[..., RedisStore]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -135,6 +136,41 @@ class AsyncGate:
     def leave(self) -> None:
         """Give the place back."""
         self._free.release()
+
+
+class _BoundedWrites:
+    """An async connection whose writes are bounded by ``asyncio.timeout`` (Python 3.11).
+
+    redis-py bounds each write by ``socket_timeout`` through ``asyncio.wait_for``, which on
+    Python 3.11 wraps the write in a task of its own: two more turns of the event loop and a
+    task for every command, about a seventh of an async first call. ``asyncio.timeout`` bounds
+    the same write in the calling task. A write past the bound fails as redis-py's own does: the
+    connection is dropped and a ``redis.exceptions.TimeoutError`` raised. (From Python 3.12,
+    ``wait_for`` needs no task, and the connection is redis-py's own.)
+    """
+
+    socket_timeout: float | None
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        limit = self.socket_timeout
+        send = super().send_packed_command  # type: ignore[misc]
+        if not limit:
+            await send(command, check_health)
+            return
+        self.socket_timeout = None  # redis-py writes with no wait_for of its own
+        try:
+            async with asyncio.timeout(limit):
+                await send(command, check_health)
+        except TimeoutError as exc:
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise redis.exceptions.TimeoutError("Timeout writing to socket") from exc
+        finally:
+            self.socket_timeout = limit
+
+
+def bounded_writes(connection_class: type[Any]) -> type[Any]:
+    """``connection_class`` with its writes bounded as :class:`_BoundedWrites` bounds them."""
+    return type(f"Bounded{connection_class.__name__}", (_BoundedWrites, connection_class), {})
 
 
 SyncClient: TypeAlias = redis.Redis | RedisCluster
@@ -335,6 +371,8 @@ class Core:
         pool = redis.asyncio.ConnectionPool.from_url(
             self.url, max_connections=self.pool_size, **self.connection_options(AsyncRetry)
         )
+        if sys.version_info < (3, 12):
+            pool.connection_class = bounded_writes(pool.connection_class)
         return redis.asyncio.Redis.from_pool(pool)
 
     def disconnect(self) -> None:
