@@ -203,12 +203,13 @@ w AS (
     WHERE t.namespace = %(namespace)s
       AND t.key = %(key)s
       AND t.fence = %(fence)s
-      AND t.state = ANY(%(states)s::text[])
+      AND t.state = ANY(string_to_array(%(states)s::text, ','))
       AND (%(owner)s::text IS NULL OR t.owner = %(owner)s::text)
       AND (NOT %(lapsed)s OR t.lease_deadline <= c.now)
       AND (t.expires_at IS NULL OR t.expires_at > c.now)
     RETURNING {", ".join(f"t.{name}" for name in _COLUMNS.split(", "))},
-        CASE WHEN %(wake)s AND t.watched THEN pg_notify(%(channel)s, %(payload)s) END AS notified
+        CASE WHEN %(wake)s AND t.watched
+             THEN pg_notify({{channel_text}}, %(payload)s) END AS notified
 )
 SELECT c.now, x.* FROM c LEFT JOIN (
     SELECT true AS won, {_COLUMNS} FROM w
@@ -360,6 +361,7 @@ class Statements:
             "old_by_created": sql.Identifier(schema, f"{table}_by_created"),
             "by_expiry": sql.Identifier(f"{table}_by_expiry"),
             "channel": sql.Identifier(channel),
+            "channel_text": sql.Literal(channel),
         }
 
         def render(template: str, *, bound: bool = True) -> bytes:
