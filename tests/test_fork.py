@@ -212,3 +212,32 @@ def test_a_forked_child_can_use_a_memory_ledger_its_parent_was_using() -> None:
         gate.set()
         busy.join(10)
     ledger.close()
+
+
+# Python 3.12 warns of fork() in a process with threads (the heartbeat's is one).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_call_that_forks_inside_its_tool_ends_in_the_child_too() -> None:
+    """A tool that forks: the child goes on with the call it was forked in, and that call ends
+    there as in the parent (its lease is in no heap of the child's heartbeat)."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+    forked: list[int] = []
+
+    @ledger.tool(effect=twiceshy.KEYED)
+    def charge(amount: int) -> dict[str, int]:
+        pid = os.fork()
+        forked.append(pid)
+        return {"amount": amount, "in_child": int(pid == 0)}
+
+    try:
+        with twiceshy.run("run-1"):
+            answer = charge(5)
+    except BaseException:
+        if forked and forked[-1] == 0:
+            os._exit(1)  # the child: its call failed
+        raise
+    if forked[-1] == 0:
+        os._exit(0 if answer == {"amount": 5, "in_child": 1} else 2)
+    _, status = os.waitpid(forked[-1], 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the call did not end well in the child"
+    assert answer == {"amount": 5, "in_child": 0}
+    ledger.close()

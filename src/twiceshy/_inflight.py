@@ -312,7 +312,9 @@ class Heartbeat:
                 return
             job.stopped = True
             heap = self._heap
-            if job.queued and heap[0][2] is job:  # the next one due: dropped now
+            # The next one due is dropped now. (A lease started before a fork, ended in the
+            # child, has entries in no heap of the child's.)
+            if job.queued and heap and heap[0][2] is job:
                 heapq.heappop(heap)
                 job.queued -= 1
             self._ended += job.queued
