@@ -14,7 +14,6 @@ which refuses one the table does not allow.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import random
@@ -42,7 +41,16 @@ from ._commands import (
     Wait,
     Write,
 )
-from ._records import Change, Effect, Outcome, Record, Snapshot, State, make_change
+from ._records import (
+    STATE_SETS,
+    Change,
+    Effect,
+    Outcome,
+    Record,
+    Snapshot,
+    State,
+    make_change,
+)
 from ._rules import (
     ENDINGS,
     FOUND,
@@ -124,9 +132,8 @@ def _change(
     """A guarded write of ``record`` to ``to`` by ``actor``, checked against the table."""
     sources = _ONLY[record.state] | also_from if also_from else _ONLY[record.state]
     if (actor, sources, to) not in _ALLOWED:
-        for source in sources:
-            if actor not in TRANSITIONS.get((source, to), _NOBODY):
-                raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
+        source = next(s for s in sources if actor not in TRANSITIONS.get((s, to), _NOBODY))
+        raise AssertionError(f"{actor.value} may not move a record from {source} to {to}")
     fields = (owner, lapsed, new_owner, lease, count_attempt, result, error, reason, ttl)
     if new_owner is not None:  # a take-over: checked as Change() checks it
         return Change(record.fence, sources, to, *fields)
@@ -136,14 +143,13 @@ def _change(
 _ONLY: Final = {state: frozenset({state}) for state in State}
 _NOBODY: Final[frozenset[Actor]] = frozenset()
 _ALLOWED: Final = frozenset(
-    (actor, frozenset(sources), to)
+    (actor, sources, to)
     for actor in Actor
     for to in State
-    for n in (1, 2)
-    for sources in itertools.combinations(State, n)
+    for sources in STATE_SETS
     if all(actor in TRANSITIONS.get((source, to), _NOBODY) for source in sources)
 )
-"""The writes :data:`TRANSITIONS` allows from one or two states at once, looked up once."""
+"""Every write :data:`TRANSITIONS` allows, by actor, states it starts from and state it writes."""
 
 
 def renewal(fence: int, owner: str, lease: float, *, take_back: bool = False) -> Change:
@@ -154,9 +160,8 @@ def renewal(fence: int, owner: str, lease: float, *, take_back: bool = False) ->
     record on, so nobody else has run the work.
     """
     sources = frozenset({_C, _U}) if take_back else frozenset({_C})
-    for source in sources:
-        if Actor.OWNER not in TRANSITIONS[(source, _C)]:  # pragma: no cover - the table allows it
-            raise AssertionError("the owner may not renew its lease")
+    if (Actor.OWNER, sources, _C) not in _ALLOWED:  # pragma: no cover - the table allows it
+        raise AssertionError("the owner may not renew its lease")
     return Change(fence=fence, from_states=sources, to=_C, owner=owner, lease=lease)
 
 

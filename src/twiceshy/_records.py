@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 __all__ = [
     "FINAL_STATES",
+    "STATE_SETS",
     "CallEvent",
     "Change",
     "Effect",
@@ -20,6 +22,7 @@ __all__ = [
     "apply_change",
     "guard_holds",
     "is_live",
+    "live_snapshot",
     "make_change",
     "make_record",
     "make_snapshot",
@@ -215,6 +218,11 @@ class Change:
 FINAL_STATES = frozenset({State.SUCCEEDED, State.FAILED, State.RELEASED})
 """States whose records expire after their retention; CLAIMED and UNKNOWN never expire."""
 
+STATE_SETS: Final = tuple(
+    frozenset(states) for n in range(len(State) + 1) for states in itertools.combinations(State, n)
+)
+"""Every set of states, the empty one included: what a change's ``from_states`` may be."""
+
 
 def _positional(cls: type[_V]) -> Callable[..., _V]:
     """A constructor of the frozen slotted dataclass ``cls`` taking every field positionally,
@@ -253,6 +261,12 @@ make_snapshot: Final = _positional(Snapshot)
 def is_live(record: Record, now: float) -> bool:
     """Whether a record still counts: not past its retention on the store's clock."""
     return record.expires_at is None or record.expires_at > now
+
+
+def live_snapshot(record: Record | None, now: float) -> Snapshot:
+    """What a read answers at store time ``now``: ``record``, unless it is past its retention."""
+    live = record if record is not None and is_live(record, now) else None
+    return make_snapshot(live, now, False)
 
 
 def new_claim(

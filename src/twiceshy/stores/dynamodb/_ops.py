@@ -26,6 +26,7 @@ from ..._records import (
     Snapshot,
     State,
     is_live,
+    live_snapshot,
     make_snapshot,
 )
 from ...errors import LedgerNotFound, StoreError, StoreUnavailable
@@ -162,9 +163,7 @@ def write(core: Core, namespace: str, key: str, change: Change) -> Op[Snapshot]:
             # afresh and run the work a second time.
             return make_snapshot(record(item), now, True)
         found = None if item is None else record(item)
-        return make_snapshot(
-            found if found is not None and is_live(found, now) else None, now, False
-        )
+        return live_snapshot(found, now)
 
     return (yield from _guarded(core, "write", attempt))
 
@@ -177,9 +176,7 @@ def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
         now = core.now()
         item = reply.get("Item")
         found = None if item is None else record(item)
-        return make_snapshot(
-            found if found is not None and is_live(found, now) else None, now, False
-        )
+        return live_snapshot(found, now)
 
     return (yield from _guarded(core, "read", attempt))
 

@@ -11,7 +11,6 @@ it yields a :class:`Pause`, which the store spends blocked on the record's notif
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any, Final, Generic, NotRequired, TypedDict, TypeVar
 
 from ..._records import (
     FINAL_STATES,
+    STATE_SETS,
     Change,
     Effect,
     Record,
@@ -26,6 +26,7 @@ from ..._records import (
     State,
     guard_holds,
     is_live,
+    live_snapshot,
     make_record,
     make_snapshot,
 )
@@ -146,9 +147,7 @@ def write_params(namespace: str, key: str, change: Change, payload: str) -> dict
 
 
 _STATES_TEXT: Final = {
-    frozenset(states): ",".join(sorted(state.value for state in states))
-    for n in range(len(State) + 1)
-    for states in itertools.combinations(State, n)
+    states: ",".join(sorted(state.value for state in states)) for states in STATE_SETS
 }
 """Each set of states a write may start from (none: a write that never applies), as the write
 statement takes it: one text, which psycopg binds in a fraction of the time an array takes."""
@@ -362,7 +361,7 @@ def get_op(st: Statements, now: Now, namespace: str, key: str) -> Op[Snapshot]:
         raise StoreError("PostgreSQL ledger: unexpected answer to a read")
     at = float(rows[0][0])
     record = record_of(rows[0][1:])
-    return make_snapshot(record if record is not None and is_live(record, at) else None, at, False)
+    return live_snapshot(record, at)
 
 
 def records_op(
@@ -443,7 +442,7 @@ def mark_op(st: Statements, now: Now, namespace: str, key: str, fence: int) -> O
         return make_snapshot(record, at, False)
     if record is not None and record.state is State.CLAIMED and record.fence == fence:
         return make_snapshot(record, at, False) if watched else None
-    return make_snapshot(record if record is not None and is_live(record, at) else None, at, False)
+    return live_snapshot(record, at)
 
 
 def wait_op(

@@ -142,9 +142,9 @@ class _BoundedWrites:
     """An async connection whose writes are bounded by ``asyncio.timeout`` (Python 3.11).
 
     redis-py bounds each write by ``socket_timeout`` through ``asyncio.wait_for``, which on
-    Python 3.11 wraps the write in a task of its own: two more turns of the event loop and a
-    task for every command, about a seventh of an async first call. ``asyncio.timeout`` bounds
-    the same write in the calling task. A write past the bound fails as redis-py's own does: the
+    Python 3.11 wraps the write in a task of its own: a task and more turns of the event loop
+    for every command, CPU that a busy event loop misses. ``asyncio.timeout`` bounds the same
+    write in the calling task. A write past the bound fails as redis-py's own does: the
     connection is dropped and a ``redis.exceptions.TimeoutError`` raised. (From Python 3.12,
     ``wait_for`` needs no task, and the connection is redis-py's own.)
     """
