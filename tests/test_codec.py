@@ -376,6 +376,7 @@ def test_an_error_whose_message_cannot_be_read_is_recorded_as_unknown(
     @ledger.tool(effect=effect, attempts=1)
     def wire(amount: int) -> None:
         runs.append(amount)
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         raise Garbled
 
     expected = twiceshy.OutcomeUnknown if effect is twiceshy.UNSAFE else Garbled

@@ -89,6 +89,7 @@ def test_ctrl_c_in_a_blocking_tool_records_the_doubt_and_goes_on(store: Store) -
     @ledger.tool(effect=twiceshy.KEYED)
     def charge(amount: int) -> dict[str, int]:
         runs.append(amount)
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         if len(runs) == 1:
             raise KeyboardInterrupt
         return {"amount": amount}
@@ -336,6 +337,7 @@ def test_ctrl_c_right_after_a_blocking_store_write_leaves_no_claim_unrenewed(
     @ledger.tool(effect=effect, wait=0.05, backoff=lambda attempt: 0.0)
     def charge(amount: int) -> str:
         runs.append(amount)
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         if effect is twiceshy.KEYED and len(runs) == 1:
             raise TimeoutError("read timed out")
         return "charged"
@@ -440,6 +442,7 @@ def _cancelled_once(effect: twiceshy.Effect, delay: float) -> tuple[list[State],
     @ledger.tool(effect=effect, attempts=attempts, backoff=lambda n: 0.01, wait=0.05)
     async def tool(x: int) -> str:
         runs.append(x)
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         await asyncio.sleep(0.01)
         if effect is twiceshy.KEYED and len(runs) < 3:
             raise TimeoutError("read timed out")

@@ -161,6 +161,7 @@ def test_a_keyed_tool_out_of_attempts_says_so_on_its_error(clock: FakeClock) -> 
 
     @ledger.tool(effect=twiceshy.KEYED, attempts=2, backoff=lambda n: 0.0)
     def charge(amount: int) -> int:
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         raise TimeoutError("the provider did not answer")
 
     with twiceshy.run("run-1"), pytest.raises(TimeoutError) as last:

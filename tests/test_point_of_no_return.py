@@ -309,6 +309,7 @@ def test_an_attempt_past_the_point_keeps_a_later_one_from_releasing(
     @ledger.tool(effect=twiceshy.KEYED, attempts=2, backoff=lambda n: 0.0)
     def charge(amount: int) -> int:
         attempts.append(amount)
+        assert twiceshy.current_key()  # handed to the provider, which deduplicates by it
         if len(attempts) == 1:
             twiceshy.point_of_no_return()
             raise TimeoutError("the provider did not answer")
@@ -340,3 +341,4 @@ def test_an_http_tool_whose_client_skips_the_transport_is_not_released_on_a_netw
             post("o-2")
     states = {r.state for r in ledger.store.records("")}
     assert states == {State.UNKNOWN, State.RELEASED}
+

@@ -411,7 +411,9 @@ def _keyed(provider: FakeProvider, *, fresh_key: bool) -> None:
 
     @ledger.tool(effect=twiceshy.KEYED, backoff=no_backoff)
     def charge(amount: int) -> str:
-        key = str(uuid.uuid4()) if fresh_key else twiceshy.current_key()
+        key = twiceshy.current_key()
+        if fresh_key:  # read, but not handed on: a key drawn anew in each attempt instead
+            key = str(uuid.uuid4())
         return str(provider.charge(amount, "cus_1", idempotency_key=key)["id"])
 
     with twiceshy.run("run-w"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -19,24 +20,86 @@ from typing import Any
 from ._canonical import MAX_BYTES, MAX_DEPTH, _canonical, canonical_digest
 from .errors import UnkeyableValue
 
-__all__ = ["Binder", "BoundCall", "calls_point_of_no_return"]
+__all__ = [
+    "Binder",
+    "BoundCall",
+    "calls_point_of_no_return",
+    "names_its_key",
+    "refuse_generator",
+    "warn_if_keyless",
+]
+
+log = logging.getLogger("twiceshy")
 
 
-def calls_point_of_no_return(fn: Callable[..., Any]) -> bool:
-    """Whether the code of ``fn`` (or of a function defined inside it) names
-    ``point_of_no_return``: such a tool says where its effect starts (``effect_at="mark"``)."""
+def _names(fn: Callable[..., Any], wanted: str) -> bool | None:
+    """Whether the code of ``fn`` (or of a function defined inside it) names ``wanted``;
+    ``None`` when ``fn`` has no Python code to read (a builtin, a C extension's callable)."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:  # an object whose __call__ is the tool
         call = getattr(type(fn), "__call__", None)  # noqa: B004 - the method, not callable()
         code = getattr(call, "__code__", None)
-    pending = [code] if isinstance(code, types.CodeType) else []
+    if not isinstance(code, types.CodeType):
+        return None
+    pending = [code]
     while pending:
         code = pending.pop()
-        if "point_of_no_return" in code.co_names:
+        if wanted in code.co_names:
             return True
         pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     return False
+
+
+def calls_point_of_no_return(fn: Callable[..., Any]) -> bool:
+    """Whether the code of ``fn`` (or of a function defined inside it) names
+    ``point_of_no_return``: such a tool says where its effect starts (``effect_at="mark"``)."""
+    return _names(fn, "point_of_no_return") is True
+
+
+def names_its_key(fn: Callable[..., Any], key_param: str | None = None) -> bool:
+    """Whether a KEYED tool's code can hand its key on: it has the key parameter, or its code
+    (or a function defined inside it) names ``current_key``. ``True`` when there is no code to
+    read: only a tool that visibly never mentions its key is worth a warning."""
+    if key_param is not None:
+        return True
+    return _names(fn, "current_key") is not False
+
+
+def warn_if_keyless(
+    fn: Callable[..., Any], tool: str, *, key_param: str | None = None, effect_at: str | None
+) -> bool:
+    """Log a warning, at declaration, for a KEYED tool whose code never mentions its key (no key
+    parameter, no ``current_key``) and that sends through no twiceshy transport
+    (``effect_at="http"``): its provider cannot deduplicate what it does. Whether it warned."""
+    if effect_at == "http" or names_its_key(fn, key_param):
+        return False
+    log.warning(
+        "twiceshy: the tool %r is declared KEYED, but its code never reads its idempotency key: "
+        "hand twiceshy.current_key() to its provider (or take an idempotency_key parameter, or "
+        "send through a twiceshy HTTP transport and declare effect_at='http'); a KEYED tool "
+        "whose attempt did not hand its key on is not retried, and answers as an UNSAFE one",
+        tool,
+    )
+    return True
+
+
+def refuse_generator(fn: Callable[..., Any], tool: str) -> None:
+    """Refuse a generator or async-generator function as a recorded tool: calling it runs
+    none of its body, so its call would be recorded as done before its effects, which would
+    then run as its caller iterates, outside any claim (docs/design.md §4).
+
+    Raises:
+        TypeError: ``fn`` is one; the message says what to do.
+    """
+    unwrapped = inspect.unwrap(fn)
+    if inspect.isgeneratorfunction(unwrapped) or inspect.isasyncgenfunction(unwrapped):
+        raise TypeError(
+            f"the tool {tool!r} is a generator function: calling it runs none of its body, so "
+            "twiceshy would record it as done before its effects, which would then run as its "
+            "caller iterates, outside any claim. Return a list (collect the items inside the "
+            "tool), or protect the function that makes the effect"
+        )
 
 
 # Made per call and never changed, but not frozen: a frozen dataclass pays a setattr per field.

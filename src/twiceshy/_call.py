@@ -90,6 +90,7 @@ class Call:
         clock: when it began (``time.perf_counter()``), inside the observers' contexts.
         outcome: how it is being answered, for its event.
         ran: whether its work was started (an attempt may have taken effect).
+        handed: whether every attempt that ended handed its key on (see ``Current.handed``).
         interrupted: an interruption (a cancelled task, Ctrl-C) that must go on.
         cut: the command a room failed on, if any; ``cut_answer``: what a claim or write cut
             off by a cancellation answered when carried to its end (or its failure).
@@ -102,6 +103,7 @@ class Call:
         "clock",
         "cut",
         "cut_answer",
+        "handed",
         "interrupted",
         "key",
         "outcome",
@@ -122,6 +124,7 @@ class Call:
         self.key: str | None = None
         self.outcome = Outcome.EXECUTED
         self.ran = False
+        self.handed = True
         self.interrupted: BaseException | None = None
         self.cut: object = None
         self.cut_answer: Snapshot | BaseException | None = None
@@ -251,7 +254,7 @@ def _give_back(call: Call, plan: CallPlan, why: BaseException) -> Generator[Any,
         if isinstance(answer, BaseException):
             raise answer
         snap = answer if answer is not None else _as_read_by(plan, (yield _LOOK))
-        change = abandoned(plan, snap, call.ran, why)
+        change = abandoned(plan, snap, call.ran, why, handed=call.handed)
         if change is not None:
             yield Write(change, finish=True)
     except Exception:

@@ -98,11 +98,13 @@ class Ran:
             ``BaseException`` that is no ``Exception``: a cancelled task, ``KeyboardInterrupt``).
         marked: whether the attempt passed its point of no return (``point_of_no_return()``,
             or an HTTP transport that marks it) before it ended.
+        handed: whether the attempt handed its key on (:attr:`twiceshy._scope.Current.handed`).
     """
 
     value: object = None
     error: BaseException | None = None
     marked: bool = False
+    handed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

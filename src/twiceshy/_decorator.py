@@ -7,10 +7,12 @@ import inspect
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast
 
-from ._binding import Binder, calls_point_of_no_return
+from ._binding import Binder, calls_point_of_no_return, refuse_generator, warn_if_keyless
 from ._codec import ReturnOf
 from ._drivers import aexecute, execute
 from ._reconciling import is_async
+from ._records import Effect
+from ._scope import current_call
 from .typing import NOT_GIVEN, NotGiven
 
 if TYPE_CHECKING:
@@ -58,7 +60,13 @@ def decorating(
         else:
             where = effect_at
         named = fn.__name__ if name is NOT_GIVEN else name
+        effect = options.get("effect")
+        recorded = effect is not Effect.SAFE or options.get("record") is True
+        if isinstance(effect, Effect) and recorded:
+            refuse_generator(fn, named)  # before its return annotation is judged
         guard = ledger.guard(named, returns=returns, effect_at=where, **options)
+        if guard.effect is Effect.KEYED:
+            warn_if_keyless(fn, named, key_param=binder.key_param, effect_at=where)
         if blocking:
             wrapper = _sync_tool(fn, guard, binder)
         else:
@@ -78,7 +86,7 @@ def _sync_tool(fn: Callable[..., Any], guard: Guard, binder: Binder) -> Callable
         bound = guard.bind(arguments, key=explicit)
 
         def work(key: str) -> Any:
-            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            call_args, call_kwargs = _with_key(binder, args, kwargs, key)
             return fn(*call_args, **call_kwargs)
 
         return execute(protection, bound, work, None)
@@ -97,9 +105,22 @@ def _async_tool(
         bound = guard.bind(arguments, key=explicit)
 
         def work(key: str) -> Awaitable[Any]:
-            call_args, call_kwargs = binder.call_args(args, kwargs, key) if key else (args, kwargs)
+            call_args, call_kwargs = _with_key(binder, args, kwargs, key)
             return fn(*call_args, **call_kwargs)
 
         return await aexecute(protection, bound, work, None)
 
     return protected
+
+
+def _with_key(
+    binder: Binder, args: tuple[Any, ...], kwargs: dict[str, Any], key: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments to run the tool with: the key injected through its key parameter, if it
+    has one, which hands the key on (the tool has it to give its provider)."""
+    if not key or binder.key_param is None:
+        return args, kwargs
+    current = current_call()
+    if current is not None:
+        current.handed = True
+    return binder.call_args(args, kwargs, key)

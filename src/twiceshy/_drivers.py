@@ -17,6 +17,7 @@ import asyncio
 import functools
 import inspect
 import time
+import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Final, TypeVar
 
@@ -250,14 +251,15 @@ def _begin(command: Run, call: Call) -> str:
     return plan.key
 
 
-def _ended(call: Call) -> bool:
-    """End the attempt: no more renewals, no longer current; whether it was marked."""
+def _ended(call: Call) -> Current:
+    """End the attempt: no more renewals, no longer current; what it did (marked, handed)."""
     job, current, tokens = call.attempt
     call.attempt = None
-    marked: bool = current.marked
     reset_call(tokens)
     call.protection.runtime.heartbeat.stop(job)
-    return marked
+    if not (current.handed or current.sent):
+        call.handed = False
+    return current  # type: ignore[no-any-return]
 
 
 def _raised(call: Call, error: BaseException) -> Ran:
@@ -267,21 +269,37 @@ def _raised(call: Call, error: BaseException) -> Ran:
         raise error  # a call kept out of the ledger leaves no doubt to record
     if not isinstance(error, Exception):  # the protocol records the doubt, then raises it
         call.interrupted = error
-    return Ran(error=error, marked=_ended(call))
+    current = _ended(call)
+    return Ran(error=error, marked=current.marked, handed=current.handed or bool(current.sent))
 
 
 def _returned(call: Call, value: object, *, blocking: bool) -> Ran:
     if call.plan is None:
         return Ran(value=value)
     _ended(call)
-    if blocking and type(value) not in _NEVER_AWAITED and inspect.isawaitable(value):
+    kind = type(value)
+    if kind in _NEVER_AWAITED:
+        return Ran(value=value)
+    if kind is types.GeneratorType or kind is types.AsyncGeneratorType:
+        # A generator function protected through a guard (the decorator refuses them): its
+        # body has not run, and would run as its caller iterates, outside the claim. Released.
+        _closed(value)
+        return Ran(error=_ReturnedGenerator(call.protection.name))
+    if blocking and inspect.isawaitable(value):
         # An async tool protected as a blocking one (a plain decorator around an async def):
         # nothing has run yet, and nothing will. Released, with an error that says why.
-        close = getattr(value, "close", None)
-        if callable(close):
-            close()
+        _closed(value)
         return Ran(error=_ReturnedAwaitable(call.protection.name))
     return Ran(value=value)
+
+
+def _closed(value: object) -> None:
+    """Close a coroutine or generator that will never run (no "never awaited" warning)."""
+    close = getattr(value, "close", None)
+    if callable(close):
+        result = close()
+        if inspect.isawaitable(result):  # an async generator's aclose(): never started
+            _closed(result)
 
 
 _NEVER_AWAITED: Final = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes})
@@ -391,6 +409,17 @@ _ASYNC: Final[dict[type, Room]] = {
 _NOTHING: Final[frozenset[type]] = frozenset()
 _AWAITED: Final = frozenset(_ASYNC) - frozenset(_SHARED)
 """The commands whose async rooms answer an awaitable."""
+
+
+class _ReturnedGenerator(NotApplied, TypeError):
+    """A tool answered a generator: its body did not run; the intent is released."""
+
+    def __init__(self, tool: str) -> None:
+        super().__init__(
+            f"the tool {tool!r} returned a generator instead of running: its body would run as "
+            "its caller iterates, after the call is recorded, outside any claim; return a list "
+            "(collect the items inside the tool) instead"
+        )
 
 
 class _ReturnedAwaitable(NotApplied, TypeError):

@@ -18,7 +18,7 @@ from ._drivers import aexecute, execute, nested_work
 from ._protocol import CallPlan, Policy, settle
 from ._reconciling import Reconciler, areconciled, awaited, loop_running, reconciled
 from ._records import Effect, Record, State
-from ._scope import Deferred, entered_scope
+from ._scope import Deferred, entered_scope, handed_on
 from .errors import MissingScope, UnkeyableArgument, UnkeyableValue
 
 if TYPE_CHECKING:
@@ -404,7 +404,10 @@ class Guard:
             return entered[0]
         if self._scope is not None:
             return self._scope(bound.arguments)
-        return entered[0] if entered is not None else None
+        if entered is None:
+            return None
+        handed_on()  # this call is keyed inside the enclosing one: its key is handed on
+        return entered[0]
 
     def _nesting(self, work: Work, bound: BoundCall, scope: str | None) -> Work:
         """``work`` of a SAFE call kept out of the ledger, giving the runs started inside it the

@@ -324,6 +324,21 @@ class _Kept:
     reason: str | None = None
 
 
+KEY_NOT_HANDED: Final = "its idempotency key was not handed to the provider"
+"""How the reason of an UNKNOWN record ends when a KEYED attempt did not hand its key on: such
+an intent answers as an UNSAFE one's (docs/design.md §4, "twiceshy never multiplies an effect")."""
+
+_DOUBTFUL: Final = frozenset({Ending.AMBIGUOUS, Ending.INTERRUPTED})
+"""Attempt endings that may have taken effect."""
+
+
+def _blind(record: Record) -> bool:
+    """Whether ``record`` is a KEYED intent left unknown by an attempt that did not hand its
+    key on."""
+    reason = record.reason
+    return reason is not None and reason.endswith(KEY_NOT_HANDED)
+
+
 LAPSED: Final = "the call's owner stopped without recording an outcome"
 """The reason of an UNKNOWN record that a caller marked when its owner's lease lapsed."""
 
@@ -422,8 +437,9 @@ def protect(
                 snap = yield Write(settlement)
                 continue
         effect = policy.effect
-        if policy.key_window is not None and _window_passed(policy, record, snap.now):
-            effect = Effect.UNSAFE  # the provider has forgotten the key: a retry is blind
+        forgotten = policy.key_window is not None and _window_passed(policy, record, snap.now)
+        if forgotten or (found is Found.UNKNOWN and effect is Effect.KEYED and _blind(record)):
+            effect = Effect.UNSAFE  # the provider cannot recognise a retry: it would be blind
         action = FOUND[found, effect]
         if action is Answer.REPLAY:
             assert record.result is not None
@@ -442,7 +458,7 @@ def protect(
             continue
         if action is Answer.REFUSE:
             reason = record.reason or ""
-            if effect is not policy.effect:
+            if forgotten:
                 reason = f"{reason}; {_window_text(policy)}" if reason else _window_text(policy)
             raise OutcomeUnknown(policy.tool, plan.key, reason)
         # Answer.WAIT: its owner is running it.
@@ -619,7 +635,12 @@ def _own(
         passed = passed or ran.marked
         ending = Ending.RETURNED if error is None else _ending(policy, error, passed)
         written = ENDINGS[ending, policy.effect, attempt >= policy.attempts]
-        if written.then is Then.RETRY and window_ends < math.inf and (yield NOW) >= window_ends:
+        blind = not ran.handed and policy.effect is Effect.KEYED and ending in _DOUBTFUL
+        if blind:
+            # A KEYED attempt that never handed its key on: its provider cannot recognise a
+            # second run, so its doubt is an UNSAFE one's: never run again by itself.
+            written = ENDINGS[ending, Effect.UNSAFE, True]
+        elif written.then is Then.RETRY and window_ends < math.inf and (yield NOW) >= window_ends:
             written = ENDINGS[ending, Effect.UNSAFE, True]  # its key is forgotten: no blind retry
         if written.then is Then.RETRY:
             assert error is not None
@@ -653,7 +674,7 @@ def _own(
             trusted_until = sent + LEASE_TRUST * policy.lease
             attempt += 1
             continue
-        change, value, raised = _end_of(plan, record, written, ending, ran)
+        change, value, raised = _end_of(plan, record, written, ending, ran, blind)
         snap = yield Write(change)
         if written.always:
             assert raised is not None
@@ -674,10 +695,11 @@ _FINISH_FROM: Final = frozenset({_U})
 
 
 def _end_of(
-    plan: CallPlan, record: Record, written: Written, ending: Ending, ran: Ran
+    plan: CallPlan, record: Record, written: Written, ending: Ending, ran: Ran, blind: bool
 ) -> tuple[Change, object, BaseException | None]:
     """The owner's write at the end of an attempt (:data:`ENDINGS`), with what the caller gets:
-    the value to return, or the exception to raise."""
+    the value to return, or the exception to raise. ``blind``: a KEYED attempt that may have
+    taken effect without handing its key on."""
     policy, error = plan.policy, ran.error
     to = written.to
     late = _FINISH_FROM if written.late else frozenset()
@@ -730,7 +752,19 @@ def _end_of(
         reason = f"interrupted by {describe(error, policy.wrappers)} before it finished"
     else:
         reason = describe(error, policy.wrappers)
-    if written.then is Then.RAISE_UNKNOWN and policy.effect is not Effect.UNSAFE:
+    if blind:
+        reason = f"{reason}; {KEY_NOT_HANDED}"
+        log.warning(
+            "twiceshy: %s is KEYED, but its attempt (key %s) did not hand its idempotency key "
+            "on and ended in %s: it is recorded as unknown and not run again by itself. Hand "
+            "the key to the provider (twiceshy.current_key(), an idempotency_key parameter, or "
+            "a twiceshy HTTP transport), or declare the tool UNSAFE if its provider cannot "
+            "deduplicate",
+            policy.tool,
+            plan.key,
+            describe(error, policy.wrappers),
+        )
+    elif written.then is Then.RAISE_UNKNOWN and policy.effect is not Effect.UNSAFE:
         reason = f"{reason}; {_window_text(policy)}"  # a KEYED tool past its key window
     change = _doubt(plan, record, reason, error)
     if written.then is Then.RAISE_UNKNOWN:
@@ -762,11 +796,14 @@ def exhausted(error: BaseException) -> bool:
     )
 
 
-def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> Change | None:
+def abandoned(
+    plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException, *, handed: bool = True
+) -> Change | None:
     """The write for a call interrupted while a store command was under way, given that
     command's answer: when it left this call the owner of a CLAIMED record, nobody would renew
     that lease, and a retry would wait it out. Released when the work never ran; unknown when
-    an attempt did (it may have taken effect). ``None`` when the call owns nothing.
+    an attempt did (it may have taken effect; a KEYED one that did not hand its key on, as
+    ``handed`` says, is then answered as an UNSAFE one). ``None`` when the call owns nothing.
     """
     record = snap.record
     if not snap.won or record is None or record.state is not State.CLAIMED:
@@ -774,9 +811,10 @@ def abandoned(plan: CallPlan, snap: Snapshot, ran: bool, why: BaseException) -> 
     if record.owner != plan.owner:
         return None
     if ran:
-        return _doubt(
-            plan, record, f"interrupted by {describe(why)} before its outcome was recorded", why
-        )
+        reason = f"interrupted by {describe(why)} before its outcome was recorded"
+        if not handed and plan.policy.effect is Effect.KEYED:
+            reason = f"{reason}; {KEY_NOT_HANDED}"
+        return _doubt(plan, record, reason, why)
     return _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "current_key",
     "current_scope",
     "entered_scope",
+    "handed_on",
     "inherited_scope",
     "last_outcome",
     "point_of_no_return",
@@ -78,12 +79,26 @@ class Current:
         effect: its effect class.
         effect_at: where its effect happens (``"mark"``, ``"http"``), if it says.
         marked: whether the attempt has passed its point of no return.
+        handed: whether the attempt handed its key on: the tool read :func:`current_key` or
+            was given it through its key parameter, or a twiceshy transport sent a request
+            with it. A KEYED attempt that did not may have made an effect its provider cannot
+            recognise again (docs/design.md §4).
         sent: the digests of the requests the attempt sent through a twiceshy transport.
         closed: the attempt has ended; a thread or task it left behind may no longer start
             its effect.
     """
 
-    __slots__ = ("closed", "confirm", "effect", "effect_at", "key", "marked", "sent", "tool")
+    __slots__ = (
+        "closed",
+        "confirm",
+        "effect",
+        "effect_at",
+        "handed",
+        "key",
+        "marked",
+        "sent",
+        "tool",
+    )
 
     def __init__(
         self,
@@ -100,6 +115,7 @@ class Current:
         #: Raises ``FencedOut`` unless the attempt still holds its lease (renewing it if in doubt).
         self.confirm = confirm
         self.marked = False
+        self.handed = False
         self.sent: set[str] = set()
         self.closed = False
 
@@ -175,7 +191,19 @@ def current_scope() -> str | None:
     nested runs inherit (see :func:`inherited_scope`), whichever was entered last.
     """
     entered = entered_scope()
-    return entered[0] if entered is not None else None
+    if entered is None:
+        return None
+    if entered[1]:
+        handed_on()
+    return entered[0]
+
+
+def handed_on() -> None:
+    """Note that the protected call running here handed its key on: a nested run read the
+    scope derived from it, so the intents inside are keyed by it (for drivers and guards)."""
+    call = _call.get()
+    if call is not None:
+        call.handed = True
 
 
 def entered_scope() -> tuple[str, bool] | None:
@@ -194,7 +222,10 @@ def inherited_scope() -> str | None:
     it names the scope. Framework adapters prefer it to the framework's own run id.
     """
     entered = entered_scope()
-    return entered[0] if entered is not None and entered[1] else None
+    if entered is None or not entered[1]:
+        return None
+    handed_on()
+    return entered[0]
 
 
 def nested_scope(key: str) -> str:
@@ -209,7 +240,10 @@ def current_key() -> str | None:
     attempt of the intent, takeovers after a crash included.
     """
     call = _call.get()
-    return call.key if call is not None else None
+    if call is None:
+        return None
+    call.handed = True  # read inside the tool: it may hand it to its provider
+    return call.key
 
 
 def last_outcome() -> Outcome | None:

@@ -148,6 +148,8 @@ class _Rule:
             raise RepeatedRequest(call.tool, request.method.upper(), _shown(request.url))
         if digest is not None and given is None and call.effect in self.effects:
             request.headers[self.header] = digest
+        if call.effect is Effect.KEYED and self.header in request.headers:
+            call.handed = True  # the provider can recognise a second run of this request
 
 
 def make_transports(module: Any) -> tuple[type[Any], type[Any]]:
