@@ -358,11 +358,34 @@ def test_show_prints_the_whole_record(parked: tuple[str, str]) -> None:
     flat = " ".join(out.split())
     assert f"`twiceshy resolve {key[:16]} --released`" in flat  # how to clear it
     assert "--succeeded" in flat
+    assert "call twiceshy.point_of_no_return() in it where its effect starts" in flat
     assert record["reason"] == "TimeoutError: the bank did not answer"
     assert record["error"] == {
         "type": "builtins.TimeoutError",
         "message": "the bank did not answer",
     }
+
+
+def test_show_tells_how_a_keyed_tool_blind_to_its_key_could_have_been_retried(
+    ledger_url: str,
+) -> None:
+    """A KEYED tool that never handed its key on is shown with the fix (hand the provider
+    current_key()), not with the point-of-no-return advice for UNSAFE tools."""
+    namespace = f"blind-{secrets.token_hex(4)}"
+    ledger = twiceshy.Ledger(ledger_url, namespace=namespace)
+
+    @ledger.tool(effect=twiceshy.KEYED, attempts=1)
+    def charge(amount: int) -> str:
+        raise TimeoutError("the provider did not answer")
+
+    with twiceshy.run("run-blind"), pytest.raises(twiceshy.OutcomeUnknown):
+        charge(4900)
+    ledger.close()
+    key = charge.twiceshy.key_for({"amount": 4900}, scope="run-blind")  # type: ignore[attr-defined]
+    flat = " ".join(ok(cli(ledger_url, namespace, "show", key)).stdout.split())
+    assert "did not hand its idempotency key to its provider" in flat
+    assert "twiceshy.current_key()" in flat
+    assert "point_of_no_return" not in flat
 
 
 def test_show_prints_the_arguments_the_record_kept(parked: tuple[str, str]) -> None:

@@ -342,3 +342,34 @@ def test_an_http_tool_whose_client_skips_the_transport_is_not_released_on_a_netw
     states = {r.state for r in ledger.store.records("")}
     assert states == {State.UNKNOWN, State.RELEASED}
 
+
+def test_an_unsafe_tool_left_unknown_by_its_own_error_logs_the_way_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning for an UNSAFE tool whose error (a validation error, before any effect) left
+    the intent unknown names point_of_no_return(); a tool that marks its effect gets no such
+    advice, and neither does a lease that lapsed."""
+    ledger = twiceshy.Ledger("memory://", counts_interval=None)
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def send_fax(number: str) -> str:
+        raise ValueError(f"not a fax number: {number!r}")
+
+    @ledger.tool(effect=twiceshy.UNSAFE)
+    def send_mail(to: str) -> str:
+        twiceshy.point_of_no_return()
+        raise TimeoutError("the mail server did not answer")
+
+    with twiceshy.run("run-advice"):
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            send_fax("12")
+        advice = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(advice) == 1
+        assert "send_fax unknown" in advice[0]
+        assert "call twiceshy.point_of_no_return() in it where its effect starts" in advice[0]
+        caplog.clear()
+        with pytest.raises(twiceshy.OutcomeUnknown):
+            send_mail("ann@example.com")
+    (marked,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "send_mail unknown" in marked
+    assert "point_of_no_return" not in marked

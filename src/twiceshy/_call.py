@@ -24,7 +24,7 @@ from typing import Any, Final, cast
 from ._binding import BoundCall
 from ._commands import Claim, Run, Write
 from ._inflight import Flight
-from ._protocol import CallPlan, Policy, abandoned, protect, retry_only
+from ._protocol import MARK_THE_EFFECT, CallPlan, Policy, abandoned, protect, retry_only
 from ._reconciling import Reconciler
 from ._records import Effect, Outcome, Snapshot, State, make_snapshot
 from ._runtime import Around, Runtime
@@ -182,7 +182,8 @@ def called(call: Call) -> Generator[Any, Any, Any]:
     except BaseException as exc:
         outcome = _outcome_of(exc, call)
         told(outcome)
-        runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc, call.ran)
+        hint = _way_out(p.policy, exc) if outcome is Outcome.UNKNOWN else ""
+        runtime.answered(p.name, p.effect, call.key, outcome, call.clock, exc, call.ran, hint)
         if around is not None:
             around.__exit__(type(exc), exc, exc.__traceback__)
         raise
@@ -297,6 +298,15 @@ def _outcome_of(error: BaseException, call: Call) -> Outcome:
     if isinstance(error, StoreError):
         return Outcome.STORE_ERROR
     return Outcome.EXECUTED if call.ran else call.outcome
+
+
+def _way_out(policy: Policy, error: BaseException) -> str:
+    """For the log: how an UNSAFE tool whose own error left its outcome unknown can say where
+    its effect starts, so that an error before it releases the intent (docs/design.md §4)."""
+    if policy.effect is not Effect.UNSAFE or policy.effect_at is not None:
+        return ""
+    cause = error.__cause__ if isinstance(error, OutcomeUnknown) else None
+    return f"Next time: {MARK_THE_EFFECT}." if isinstance(cause, Exception) else ""
 
 
 def _mismatch(plan: CallPlan) -> KeyReuseMismatch:

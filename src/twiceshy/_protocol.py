@@ -328,6 +328,14 @@ KEY_NOT_HANDED: Final = "its idempotency key was not handed to the provider"
 """How the reason of an UNKNOWN record ends when a KEYED attempt did not hand its key on: such
 an intent answers as an UNSAFE one's (docs/design.md §4, "twiceshy never multiplies an effect")."""
 
+MARK_THE_EFFECT: Final = (
+    "if the tool raised this before taking any effect (checking its input, say), call "
+    "twiceshy.point_of_no_return() in it where its effect starts: an error raised before that "
+    "releases the intent, and the next call runs it (or list the error's type in not_applied=)"
+)
+"""The way out of an UNSAFE tool's doubt that an error before its effect caused, for logs and
+``twiceshy show`` (docs/design.md §4: only the tool can say where its effect starts)."""
+
 _DOUBTFUL: Final = frozenset({Ending.AMBIGUOUS, Ending.INTERRUPTED})
 """Attempt endings that may have taken effect."""
 

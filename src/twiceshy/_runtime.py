@@ -103,17 +103,19 @@ class Runtime:
         clock: float,
         error: BaseException | None,
         ran: bool = False,
+        hint: str = "",
     ) -> None:
         """A call was answered: count it; tell observers and the log when anyone listens.
 
         ``clock`` is when the call began (``time.perf_counter()``); ``ran``, whether it ran the
-        tool, whatever it answers. An unknown outcome is always worth a warning, observed or not.
+        tool, whatever it answers. An unknown outcome is always worth a warning, observed or not;
+        ``hint`` says there how the tool could have kept it from needing an operator.
         """
         if self.tally is not None:
             self.tally.add(tool, outcome, ran)
         if self.observers or log.isEnabledFor(logging.DEBUG) or outcome is Outcome.UNKNOWN:
             duration = time.perf_counter() - clock
-            self._tell(tool, effect, key, error, outcome, time.time() - duration, duration)
+            self._tell(tool, effect, key, error, outcome, time.time() - duration, duration, hint)
 
     def _tell(
         self,
@@ -124,6 +126,7 @@ class Runtime:
         outcome: Outcome,
         started: float,
         duration: float,
+        hint: str,
     ) -> None:
         event = CallEvent(
             tool=tool,
@@ -145,7 +148,8 @@ class Runtime:
                 event.effect.value,
                 event.duration * 1000,
                 (f" error={describe(error)}" if error is not None else "")
-                + (f" {clearing(key)}" if outcome is Outcome.UNKNOWN and key else ""),
+                + (f" {clearing(key)}" if outcome is Outcome.UNKNOWN and key else "")
+                + (f" {hint}" if hint else ""),
                 extra={
                     "twiceshy_tool": event.tool,
                     "twiceshy_key": event.key,

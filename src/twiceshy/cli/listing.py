@@ -16,8 +16,8 @@ from rich.highlighter import JSONHighlighter
 from rich.table import Table
 from rich.text import Text
 
-from .._protocol import LAPSED
-from .._records import Record, State
+from .._protocol import KEY_NOT_HANDED, LAPSED, MARK_THE_EFFECT
+from .._records import Effect, Record, State
 from ..errors import clearing
 from .json_forms import error_of, record_json
 from .ledger import find_record, lease_lapsed, opened, store_now
@@ -58,6 +58,24 @@ def _state_text(record: Record, now: float) -> Text:
         # A lapse is not a crash: the owner may only have been paused, and may still act.
         label += " (a lapsed lease)" if record.reason == LAPSED else " (its owner's error)"
     return text(label, style=_STATE_STYLES[record.state])
+
+
+def _way_out(record: Record) -> str:
+    """How the tool itself can keep such a doubt from needing an operator next time."""
+    reason = record.reason or ""
+    if reason.endswith(KEY_NOT_HANDED):
+        return (
+            "Next time: the tool is KEYED but did not hand its idempotency key to its provider; "
+            "pass twiceshy.current_key() as the provider's idempotency key (or send through a "
+            "twiceshy HTTP transport), and its retries are then safe."
+        )
+    if record.effect is Effect.UNSAFE and reason != LAPSED and not reason.startswith(_CUT_SHORT):
+        return f"Next time: {MARK_THE_EFFECT}."
+    return ""
+
+
+_CUT_SHORT: Final = "interrupted by "
+"""How the reason of an attempt cut short begins: no error of the tool's own to say more of."""
 
 
 def _reason_text(record: Record) -> Text:
@@ -218,3 +236,6 @@ def show(ledger_url: str | None, namespace: str, key: str, as_json: bool) -> Non
                 )
             )
         console.print(text(clearing(record.key)))
+        way_out = _way_out(record)
+        if way_out:
+            console.print(text(way_out))
