@@ -1,6 +1,6 @@
-"""What the Google ADK tests share: the smallest scripted model ADK can run (a ``BaseLlm``
-answering from a script, no network), a run of an agent to its end, and the processes the race
-and crash tests run.
+"""What the Google ADK tests share: the smallest scripted models ADK can run (``BaseLlm``
+subclasses answering from a script, no network), a run of an agent to its end, and the
+processes the race and crash tests run.
 
 Importable by child processes (``multiprocessing`` spawn), so it holds everything they need.
 """
@@ -8,9 +8,10 @@ Importable by child processes (``multiprocessing`` spawn), so it holds everythin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ class ScriptedModel(BaseLlm):
         ]
         yield LlmResponse(content=types.Content(role="model", parts=parts))
 
+    @property
+    def answered(self) -> int:
+        """How many requests the model has answered."""
+        return len(self._requests)
+
     def results(self, request: int = -1) -> dict[str, Any]:
         """The function responses the model read in one request (its last by default), by id."""
         found: dict[str, Any] = {}
@@ -72,6 +78,44 @@ class ScriptedModel(BaseLlm):
                 if part.function_response is not None:
                     found[str(part.function_response.id)] = part.function_response.response
         return found
+
+
+class Relay(BaseLlm):
+    """A model for an agent asked one thing per run (an agent tool's agent, an agent a trigger
+    starts): it calls its tool with the arguments it reads in the user's message, then answers
+    with the text ``<tool> answered <the tool's response as JSON>``."""
+
+    model: str = "relay"
+    _tool: str = PrivateAttr(default="")
+    _read: tuple[Callable[[str], dict[str, Any]]] = PrivateAttr(default=(json.loads,))
+    _calls: int = PrivateAttr(default=0)
+
+    @classmethod
+    def of(cls, tool: str, arguments: Callable[[str], dict[str, Any]] = json.loads) -> Relay:
+        """A model calling ``tool`` with ``arguments(message)`` (the message as JSON by default)."""
+        model = cls()
+        model._tool = tool
+        model._read = (arguments,)  # in a tuple: a function kept as an attribute would bind
+        return model
+
+    async def generate_content_async(
+        self, llm_request: LlmRequest, stream: bool = False
+    ) -> AsyncGenerator[LlmResponse, None]:
+        """The call of the tool for a new message; the answer once the tool has responded."""
+        last = llm_request.contents[-1]
+        answered = [p.function_response for p in last.parts or [] if p.function_response]
+        if answered:
+            text = f"{self._tool} answered {json.dumps(answered[-1].response, sort_keys=True)}"
+            yield LlmResponse(content=types.Content(role="model", parts=[types.Part(text=text)]))
+            return
+        self._calls += 1
+        message = "".join(part.text or "" for part in last.parts or [])
+        call = types.FunctionCall(
+            id=f"{self._tool}-{self._calls}", name=self._tool, args=self._read[0](message)
+        )
+        yield LlmResponse(
+            content=types.Content(role="model", parts=[types.Part(function_call=call)])
+        )
 
 
 def run(

@@ -356,7 +356,7 @@ def test_protect_refuses_what_it_cannot_use(ledger: Ledger) -> None:
         protect([lookup], ledger)
     with pytest.raises(ValueError, match="not given: wire"):
         protect([lookup], ledger, effects={"lookup": SAFE, "wire": UNSAFE})
-    with pytest.raises(TypeError, match="FunctionTool or a function"):
+    with pytest.raises(TypeError, match="an AgentTool or a function"):
         protect([42], ledger, default=SAFE)  # type: ignore[list-item]
     with pytest.raises(TypeError, match="streams"):
         protect([stream], ledger, default=KEYED)
