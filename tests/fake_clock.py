@@ -17,3 +17,19 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         """Move the clock forward by ``seconds``."""
         self.now += seconds
+
+    def shifted(self, seconds: float) -> ShiftedClock:
+        """The clock of another process, ``seconds`` ahead of this one (behind when negative),
+        moving when this one moves."""
+        return ShiftedClock(self, seconds)
+
+
+class ShiftedClock:
+    """A clock that reads another one plus a constant offset: a process whose clock is wrong."""
+
+    def __init__(self, base: FakeClock, seconds: float) -> None:
+        self.base = base
+        self.seconds = seconds
+
+    def __call__(self) -> float:
+        return self.base.now + self.seconds

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import multiprocessing
 import os
@@ -378,6 +379,70 @@ def test_purge_deletes_the_expired_items(stores: Callable[..., DynamoDBStore]) -
     assert store.purge_expired(NS) == 1
     assert raw_item(f"{store.prefix}#r#{NS}#gone") is None
     assert raw_item(f"{store.prefix}#r#{NS}#kept") is not None
+
+
+DAYS = 3 * 86_400.0
+UNKNOWN = frozenset({State.UNKNOWN})
+
+
+def test_an_expiry_written_on_a_clock_behind_counts_from_the_records_own_time(
+    stores: Callable[..., DynamoDBStore],
+) -> None:
+    """An expiry (and ttl) written days behind counts from the record's own time; guards hold."""
+    clock = FakeClock()
+    right = stores(clock=clock)
+    behind = stores(clock=clock.shifted(-DAYS))
+    claim(right)
+    clock.advance(10)
+    marked = right.write(NS, "k", Change(1, CLAIMED, State.UNKNOWN, owner="alice"))
+    assert marked.won
+    stale = behind.write(NS, "k", Change(2, UNKNOWN, State.SUCCEEDED, result="1", ttl=60))
+    assert not stale.won
+    assert stale.record == marked.record
+    done = behind.write(NS, "k", Change(1, UNKNOWN, State.SUCCEEDED, result="1", ttl=60))
+    assert done.won
+    assert done.record is not None
+    assert done.record.expires_at == clock.now + 60
+    assert done.record.updated_at == clock.now - DAYS  # the writer's own time, as it was
+    item = raw_item(f"{right.prefix}#r#{NS}#k")
+    assert item is not None
+    assert item["ttl"] == {"N": str(math.ceil(clock.now + 60) + 3600)}
+    clock.advance(59)
+    assert right.get(NS, "k").record == done.record
+    clock.advance(1)
+    assert right.get(NS, "k").record is None  # past its ttl: the retention still ends
+
+
+def test_a_record_written_ahead_of_the_reader_never_expires_for_it(
+    stores: Callable[..., DynamoDBStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record written ahead of the reader, its expiry before that, is live until the clock
+    passes its times: read, never claimed over nor purged, listed; the skew logged."""
+    clock = FakeClock()
+    store = stores(clock=clock)
+    claim(store)
+    store.write(NS, "k", Change(1, CLAIMED, State.SUCCEEDED, owner="alice", ttl=60))
+    servers.dynamodb_client().update_item(
+        TableName=servers.DYNAMODB_TABLE,
+        Key={"pk": {"S": f"{store.prefix}#r#{NS}#k"}},
+        UpdateExpression="SET created_at = :ahead, expires_at = :past",
+        ExpressionAttributeValues={
+            ":ahead": {"N": repr(clock.now + DAYS)},
+            ":past": {"N": repr(clock.now - 1)},
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="twiceshy"):
+        found = store.get(NS, "k").record
+    assert found is not None
+    assert found.state is State.SUCCEEDED
+    assert f"written {DAYS:.1f} s ahead of this process's clock" in caplog.text
+    assert not claim(store, owner="bob").won
+    assert store.purge_expired(NS) == 0
+    assert store.expired(NS) == []
+    assert store.records(NS) == [found]
+    clock.advance(DAYS + 2)
+    assert store.get(NS, "k").record is None
+    assert store.purge_expired(NS) == 1
 
 
 def test_text_that_is_not_utf8_raises_store_error(stores: Callable[..., DynamoDBStore]) -> None:

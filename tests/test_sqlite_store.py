@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from fake_clock import FakeClock
 from twiceshy._records import Change, Effect, Snapshot, State
 from twiceshy.errors import LedgerNotFound, StoreError, StoreUnavailable
 from twiceshy.stores import default_url, open_store
@@ -564,6 +565,69 @@ def test_closed_store_refuses_operations(db: Path) -> None:
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.get(NS, KEY)
+
+
+# -- clocks ---------------------------------------------------------------------------------
+
+DAYS = 3 * 86_400.0
+
+
+def test_an_expiry_written_on_a_clock_behind_counts_from_the_namespaces_latest_claim(
+    db: Path,
+) -> None:
+    """An expiry written days behind counts from the namespace's newest claim, for its ttl."""
+    clock = FakeClock()
+    right = SQLiteStore(db, clock=clock)
+    behind = SQLiteStore(db, clock=clock.shifted(-DAYS))
+    try:
+        assert _claim(right, "alice", key="other").won
+        clock.advance(5)
+        assert _claim(behind, "bob").won
+        done = behind.write(NS, KEY, Change(1, frozenset({State.CLAIMED}), State.SUCCEEDED, ttl=60))
+        assert done.won
+        assert done.record is not None
+        assert done.record.expires_at == clock.now - 5 + 60
+        assert done.record.updated_at == clock.now - DAYS  # the writer's own time, as it was
+        clock.advance(50)
+        assert right.get(NS, KEY).record == done.record
+        clock.advance(10)
+        assert right.get(NS, KEY).record is None  # past its ttl: the retention still ends
+    finally:
+        right.close()
+        behind.close()
+
+
+def test_a_record_written_ahead_of_the_reader_never_expires_for_it(
+    db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record written ahead of the reader, its expiry before that, is live until the clock
+    passes its times: read, never claimed over nor purged, listed; the skew logged."""
+    clock = FakeClock()
+    store = SQLiteStore(db, clock=clock)
+    try:
+        _claim(store, "alice")
+        store.write(NS, KEY, Change(1, frozenset({State.CLAIMED}), State.SUCCEEDED, ttl=60))
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute(
+                "UPDATE twiceshy_records SET created_at = ?, expires_at = ?",
+                (clock.now + DAYS, clock.now - 1),
+            )
+        conn.close()
+        with caplog.at_level(logging.WARNING, logger="twiceshy"):
+            found = store.get(NS, KEY).record
+        assert found is not None
+        assert found.state is State.SUCCEEDED
+        assert f"written {DAYS:.1f} s ahead of this process's clock" in caplog.text
+        assert not _claim(store, "bob").won
+        assert store.purge_expired() == 0
+        assert store.expired() == []
+        assert store.records(NS) == [found]
+        clock.advance(DAYS + 2)
+        assert store.get(NS, KEY).record is None
+        assert store.purge_expired() == 1
+    finally:
+        store.close()
 
 
 # -- races ----------------------------------------------------------------------------------

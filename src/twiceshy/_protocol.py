@@ -42,6 +42,7 @@ from ._commands import (
     Write,
 )
 from ._records import (
+    CLOCK_TOLERANCE,
     STATE_SETS,
     Change,
     Effect,
@@ -494,7 +495,12 @@ def _window_passed(policy: Policy, record: Record, now: float) -> bool:
     """Whether the provider of a KEYED tool has forgotten the key of ``record`` at store time
     ``now``: its window has passed since the intent's first claim."""
     assert policy.key_window is not None
-    return policy.effect is Effect.KEYED and now >= record.created_at + policy.key_window
+    created = record.created_at
+    # A first claim stamped ahead of this clock (a store judging on its callers' clocks) may be
+    # older than it reads: counted as passed, no retry goes out blind past the real window.
+    return policy.effect is Effect.KEYED and (
+        now >= created + policy.key_window or created > now + CLOCK_TOLERANCE
+    )
 
 
 def _window_text(policy: Policy) -> str:

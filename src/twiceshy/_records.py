@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 __all__ = [
+    "CLOCK_TOLERANCE",
     "FINAL_STATES",
     "STATE_SETS",
     "CallEvent",
@@ -22,6 +23,7 @@ __all__ = [
     "apply_change",
     "guard_holds",
     "is_live",
+    "last_written",
     "live_snapshot",
     "make_change",
     "make_record",
@@ -258,14 +260,39 @@ make_change: Final = _positional(Change)
 make_snapshot: Final = _positional(Snapshot)
 
 
-def is_live(record: Record, now: float) -> bool:
-    """Whether a record still counts: not past its retention on the store's clock."""
-    return record.expires_at is None or record.expires_at > now
+CLOCK_TOLERANCE: Final = 1.0
+"""How far (seconds) a record's times may lie ahead of the clock that reads them before a store
+that judges on its callers' clocks (SQLite, DynamoDB) takes it that two clocks disagree: such a
+record counts as live whatever its expiry says, and the skew is logged. Clocks kept by NTP
+differ by milliseconds."""
 
 
-def live_snapshot(record: Record | None, now: float) -> Snapshot:
-    """What a read answers at store time ``now``: ``record``, unless it is past its retention."""
-    live = record if record is not None and is_live(record, now) else None
+def last_written(record: Record) -> float:
+    """The latest time written on ``record`` (its claim's, or its last write's), on the clocks
+    of the processes that wrote them."""
+    created, updated = record.created_at, record.updated_at
+    return created if created > updated else updated
+
+
+def is_live(record: Record, now: float, tolerance: float | None = None) -> bool:
+    """Whether a record still counts: not past its retention on the store's clock.
+
+    ``tolerance`` is for stores that judge on their callers' clocks: a record last written more
+    than ``tolerance`` seconds after ``now`` also counts, whatever its expiry says. A clock ahead
+    wrote it, or the reader's is behind; either way the reader's clock cannot tell that its
+    retention has passed.
+    """
+    return (
+        record.expires_at is None
+        or record.expires_at > now
+        or (tolerance is not None and last_written(record) > now + tolerance)
+    )
+
+
+def live_snapshot(record: Record | None, now: float, tolerance: float | None = None) -> Snapshot:
+    """What a read answers at store time ``now``: ``record``, unless it is past its retention
+    (``tolerance`` as for :func:`is_live`)."""
+    live = record if record is not None and is_live(record, now, tolerance) else None
     return make_snapshot(live, now, False)
 
 

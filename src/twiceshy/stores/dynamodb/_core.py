@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import botocore.loaders  # type: ignore[import-untyped]
 
 from .. import redacted_url
+from .._skew import ClockSkew
 from ._errors import Errors
 from ._items import Layout
 
@@ -159,6 +160,8 @@ class Core:
             k: v for k, v in self.credentials.items() if v is not None and k != "aws_access_key_id"
         }
         self.errors = Errors(shown, "dynamodb://?" + urlencode(secrets))
+        # DynamoDB has no clock an expression can read: leases and expiry are on the callers'.
+        self.skew = ClockSkew(f"DynamoDB ledger {self.errors.where}")
         self.closed = False
         self.schema_ready = False
         self.lock = threading.Lock()

@@ -23,7 +23,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 from urllib.parse import quote
 
-from ..._records import FINAL_STATES, Change, Effect, Record, State, make_record
+from ..._records import (
+    CLOCK_TOLERANCE,
+    FINAL_STATES,
+    Change,
+    Effect,
+    Record,
+    State,
+    is_live,
+    make_record,
+)
 from ...errors import StoreError
 
 SCHEMA_VERSION: Final = 1
@@ -62,6 +71,7 @@ _FIELDS: Final = (
     "expires_at",
     "args",
 )
+_TIMES: Final = ("created_at", "updated_at", "expires_at")
 _EFFECTS: Final = {e.value: e for e in Effect}
 _STATES: Final = {s.value: s for s in State}
 
@@ -83,9 +93,12 @@ _CLAIM_REMOVES: Final = " REMOVE #result, #error, #reason, #expires_at, #ttl, #w
 # With the call's arguments, or without (an expired record's are removed with the rest).
 _CLAIM_UPDATE: Final = _CLAIM_SETS + _CLAIM_REMOVES + ", #args"
 _CLAIM_UPDATE_ARGS: Final = _CLAIM_SETS + ", #args = :args" + _CLAIM_REMOVES
-# No item, or one past its retention. CLAIMED and UNKNOWN records have no expires_at, and a
-# comparison with an absent attribute is false: they are never replaced.
-_CLAIM_CONDITION: Final = "attribute_not_exists(#pk) OR #expires_at <= :now"
+# Past its retention at :now, and not written after :soon (now plus the clock tolerance), which
+# only a clock ahead of the caller's can have done (is_live with a tolerance). A comparison with
+# an absent attribute is false: CLAIMED and UNKNOWN records, which have no expires_at, never are.
+_EXPIRED: Final = "(#expires_at <= :now AND #created_at <= :soon AND #updated_at <= :soon)"
+# No item, or one past its retention.
+_CLAIM_CONDITION: Final = "attribute_not_exists(#pk) OR " + _EXPIRED
 
 
 def quoted(text: str) -> str:
@@ -227,6 +240,7 @@ class Layout:
                 ":owner": text(owner),
                 ":deadline": number(deadline),
                 ":now": number(now),
+                ":soon": number(now + CLOCK_TOLERANCE),
             },
             "ReturnValues": "ALL_NEW",
             # DynamoDB answers the item that failed the condition with its error, saving a read
@@ -237,20 +251,27 @@ class Layout:
             params["ExpressionAttributeValues"][":args"] = text(args)
         return params
 
-    def write(self, pk: str, change: Change, now: float, write_id: str) -> Params:
+    def write(
+        self, pk: str, change: Change, now: float, write_id: str, since: float | None = None
+    ) -> Params:
         """A guarded write: one UpdateItem whose condition is the change's guard.
 
-        ``change.from_states`` must not be empty (no write can start from no state).
+        ``change.from_states`` must not be empty (no write can start from no state). An expiry
+        is counted from ``since`` (``now`` when not given), and only while the record was last
+        written no more than the clock tolerance after it: DynamoDB cannot take the later of two
+        times in an update, so a writer whose clock is behind the record's fails the condition,
+        and is sent again with ``since`` at the record's time (``_ops.write``).
         """
         to = change.to
         bump = change.new_owner is not None
         values: dict[str, Any] = {
             ":fence": integer(change.fence),
             ":now": number(now),
+            ":soon": number(now + CLOCK_TOLERANCE),
             ":to": text(to.value),
             ":write_id": text(write_id),
         }
-        used = {"fence", "state", "expires_at", "write_id", "updated_at"}
+        used = {"created_at", "fence", "state", "expires_at", "write_id", "updated_at"}
         states = sorted(s.value for s in change.from_states)
         for n, state in enumerate(states):
             values[f":from{n}"] = text(state)
@@ -258,7 +279,7 @@ class Layout:
             "#fence = :fence",
             f"#state IN ({', '.join(f':from{n}' for n in range(len(states)))})",
             # Past its retention a record is gone, whatever its guard says.
-            "(attribute_not_exists(#expires_at) OR #expires_at > :now)",
+            f"NOT {_EXPIRED}",
             # A write already applied, sent again after its answer was lost, applies nothing.
             "(attribute_not_exists(#write_id) OR #write_id <> :write_id)",
         ]
@@ -302,7 +323,10 @@ class Layout:
                 removes.append(f"#{name}")
         used.add("ttl")
         if to in FINAL_STATES and change.ttl is not None:
-            expires = now + change.ttl
+            start = now if since is None else since
+            condition.append("#created_at <= :latest AND #updated_at <= :latest")
+            values[":latest"] = number(start + CLOCK_TOLERANCE)
+            expires = start + change.ttl
             sets += ["#expires_at = :expires_at", "#ttl = :ttl"]
             values[":expires_at"] = number(expires)
             values[":ttl"] = integer(math.ceil(expires) + TTL_GRACE)
@@ -332,9 +356,10 @@ class Layout:
             "ExpressionAttributeValues": {":begins": text(begins)},
         }
         if expired_at is not None:
-            params["FilterExpression"] += " AND #expires_at <= :now"
-            params["ExpressionAttributeNames"] = _names(PK, "expires_at")
+            params["FilterExpression"] += " AND " + _EXPIRED
+            params["ExpressionAttributeNames"] = _names(PK, *_TIMES)
             params["ExpressionAttributeValues"][":now"] = number(expired_at)
+            params["ExpressionAttributeValues"][":soon"] = number(expired_at + CLOCK_TOLERANCE)
             if not whole:
                 params["ProjectionExpression"] = "#pk"
         return params
@@ -344,9 +369,12 @@ class Layout:
         return {
             "TableName": self.table,
             "Key": {PK: text(pk)},
-            "ConditionExpression": "#expires_at <= :now",
-            "ExpressionAttributeNames": _names("expires_at"),
-            "ExpressionAttributeValues": {":now": number(now)},
+            "ConditionExpression": _EXPIRED,
+            "ExpressionAttributeNames": _names(*_TIMES),
+            "ExpressionAttributeValues": {
+                ":now": number(now),
+                ":soon": number(now + CLOCK_TOLERANCE),
+            },
         }
 
     def add_counts(
@@ -413,7 +441,7 @@ def select(
     chosen = [
         r
         for r in found
-        if (r.expires_at is None or r.expires_at > now)
+        if is_live(r, now, CLOCK_TOLERANCE)
         and (wanted is None or r.state in wanted)
         and (tool is None or r.tool == tool)
     ]

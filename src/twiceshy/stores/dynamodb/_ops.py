@@ -19,13 +19,16 @@ from typing import Any, Final, TypeAlias, TypeVar
 from botocore.exceptions import BotoCoreError, ClientError  # type: ignore[import-untyped]
 
 from ..._records import (
+    CLOCK_TOLERANCE,
     FINAL_STATES,
     Change,
     Effect,
     Record,
     Snapshot,
     State,
+    guard_holds,
     is_live,
+    last_written,
     live_snapshot,
     make_snapshot,
 )
@@ -128,7 +131,8 @@ def claim(
             # claim meets the record it made itself: its owner token tells.
             at = core.now()
             found = None if item is None else record(item)
-            if found is not None and is_live(found, at):
+            if found is not None and is_live(found, at, CLOCK_TOLERANCE):
+                core.skew.saw(found, at)
                 won = found.state is State.CLAIMED and found.owner == owner
                 return make_snapshot(found, at, won)
             # Deleted or expired since the condition failed: claim again.
@@ -142,6 +146,11 @@ def write(core: Core, namespace: str, key: str, change: Change) -> Op[Snapshot]:
 
     A write carries a random ``write_id`` and refuses to apply twice: sent again by the SDK
     after its answer was lost, it fails its condition on the item it made, and recognises it.
+
+    An expiry is counted from the caller's clock, unless the record was written later than that
+    (by more than the clock tolerance): counted from the caller's clock, the others would find
+    the outcome expired before it was written. The condition refuses such a record, and the
+    write is sent again counted from the record's time, under the same guard.
     """
     write_id = secrets.token_hex(12)
 
@@ -151,21 +160,53 @@ def write(core: Core, namespace: str, key: str, change: Change) -> Op[Snapshot]:
         if not change.from_states:
             item = (yield Call("get_item", core.layout.get(pk))).get("Item")
         else:
-            try:
-                reply = yield Call("update_item", core.layout.write(pk, change, now, write_id))
-            except ClientError as exc:
-                item = yield from _item_that_failed(core, pk, exc)
-            else:
-                return make_snapshot(record(reply["Attributes"]), now, True)
+            since = now
+            for _ in range(ROUNDS):
+                params = core.layout.write(pk, change, now, write_id, since)
+                try:
+                    reply = yield Call("update_item", params)
+                except ClientError as exc:
+                    item = yield from _item_that_failed(core, pk, exc)
+                else:
+                    written = record(reply["Attributes"])
+                    core.skew.moved(written, since - now)
+                    core.skew.saw(written, now)
+                    return make_snapshot(written, now, True)
+                later = _written_after(item, change, now, since, write_id)
+                if later is None:
+                    break
+                since = later
         if written_by(item, write_id):
             # Ours, applied by an earlier attempt; answered as written even if its record has
             # expired since (a retention near 0): answered as gone, the caller would claim
             # afresh and run the work a second time.
             return make_snapshot(record(item), now, True)
         found = None if item is None else record(item)
-        return live_snapshot(found, now)
+        snap = live_snapshot(found, now, CLOCK_TOLERANCE)
+        if snap.record is not None:
+            core.skew.saw(snap.record, now)
+        return snap
 
     return (yield from _guarded(core, "write", attempt))
+
+
+def _written_after(
+    item: Item | None, change: Change, now: float, since: float, write_id: str
+) -> float | None:
+    """When ``item`` failed a write's condition only because it was written more than the
+    clock tolerance after ``since``, the time it was written (the expiry is to be counted from
+    it); else ``None``: its guard failed, and the record answers as it is."""
+    if item is None or written_by(item, write_id):
+        return None
+    found = record(item)
+    if change.to not in FINAL_STATES or change.ttl is None:
+        return None  # no expiry is written: the times are not in the condition
+    latest = last_written(found)
+    if latest <= since + CLOCK_TOLERANCE:
+        return None
+    if not is_live(found, now, CLOCK_TOLERANCE) or not guard_holds(found, change, now):
+        return None
+    return latest
 
 
 def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
@@ -176,7 +217,10 @@ def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
         now = core.now()
         item = reply.get("Item")
         found = None if item is None else record(item)
-        return live_snapshot(found, now)
+        snap = live_snapshot(found, now, CLOCK_TOLERANCE)
+        if snap.record is not None:
+            core.skew.saw(snap.record, now)
+        return snap
 
     return (yield from _guarded(core, "read", attempt))
 
@@ -261,7 +305,9 @@ def expired(core: Core, namespace: str | None = None) -> Op[list[Record]]:
         found = [
             r
             for r in _readable(items)
-            if (namespace is None or r.namespace == namespace) and r.state in FINAL_STATES
+            if (namespace is None or r.namespace == namespace)
+            and r.state in FINAL_STATES
+            and not is_live(r, now, CLOCK_TOLERANCE)
         ]
         found.sort(key=lambda r: (r.namespace, r.expires_at or 0.0, r.key))
         return found

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from ..._records import FINAL_STATES, Change, Effect, Record, State, make_record
+from ..._records import CLOCK_TOLERANCE, FINAL_STATES, Change, Effect, Record, State, make_record
 from ...errors import StoreError
 
 SCHEMA_VERSION: Final = 2
@@ -128,6 +128,15 @@ SELECT_RECORD: Final = f"""
     SELECT {COLUMNS} FROM twiceshy_records WHERE namespace = :namespace AND key = :key
 """
 
+# Whether a row is past its retention at ``:now``: expired, and not last written after
+# ``:soon`` (now plus the clock tolerance), which only a clock ahead of this one can have done
+# (is_live with a tolerance). One text, so that every statement judges alike.
+_EXPIRED: Final = (
+    "({t}expires_at IS NOT NULL AND {t}expires_at <= :now "
+    "AND max({t}created_at, {t}updated_at) <= :soon)"
+)
+EXPIRED_ROW: Final = _EXPIRED.format(t="")
+
 # Insert a fresh claim, or replace a record past its retention with fence + 1, answering the
 # record written. A live record (any state) is left alone and nothing is answered; the caller
 # then reads it in the same transaction.
@@ -151,8 +160,7 @@ CLAIM: Final = f"""
         updated_at     = excluded.updated_at,
         expires_at     = NULL,
         args           = excluded.args
-    WHERE twiceshy_records.expires_at IS NOT NULL
-      AND twiceshy_records.expires_at <= excluded.created_at
+    WHERE {_EXPIRED.format(t="twiceshy_records.")}
     RETURNING {COLUMNS}
 """
 
@@ -161,9 +169,19 @@ CLAIM: Final = f"""
 _STATE_SLOTS: Final = tuple(f"s{i}" for i in range(len(State)))
 _STATES_IN: Final = "state IN (" + ", ".join(f":{slot}" for slot in _STATE_SLOTS) + ")"
 
-# One guarded compare-and-set; it sets exactly what ``apply_change`` sets, and answers the record
-# written (nothing when a guard fails). Values that depend only on the change and the clock are
-# computed in Python and bound (write_params).
+# The latest time the ledger has written for a namespace: its newest claim, read from the end
+# of the index by namespace and creation (no write, no row shared by every claim).
+LATEST_CLAIM: Final = """
+    (SELECT max(created_at) FROM twiceshy_records WHERE namespace = :namespace)
+"""
+
+# One guarded compare-and-set; it sets what ``apply_change`` sets, and answers the record written
+# (nothing when a guard fails). Values that depend only on the change and the clock are computed
+# in Python and bound (write_params). An expiry is counted from the writer's clock, or from the
+# latest time the ledger had written for the record or its namespace when that is later: a writer
+# whose clock is behind must not write an outcome that the others find expired before it was
+# written. SET reads the row as it was before the statement; CASE reads the newest claim only
+# for a write that sets an expiry.
 WRITE: Final = f"""
     UPDATE twiceshy_records SET
         state          = :to,
@@ -175,21 +193,23 @@ WRITE: Final = f"""
         error          = :error,
         reason         = :reason,
         updated_at     = :now,
-        expires_at     = :expires_at
+        expires_at     = CASE WHEN :ttl IS NULL THEN NULL
+                         ELSE max(:now, created_at, updated_at, {LATEST_CLAIM.strip()}) + :ttl
+                         END
     WHERE namespace = :namespace
       AND key = :key
       AND fence = :fence
       AND {_STATES_IN}
       AND (:owner IS NULL OR owner = :owner)
       AND (NOT :lapsed OR (lease_deadline IS NOT NULL AND lease_deadline <= :now))
-      AND (expires_at IS NULL OR expires_at > :now)
+      AND NOT {EXPIRED_ROW}
     RETURNING {COLUMNS}
 """
 
 RECORDS: Final = f"""
     SELECT {COLUMNS} FROM twiceshy_records
     WHERE namespace = :namespace
-      AND (expires_at IS NULL OR expires_at > :now)
+      AND NOT {EXPIRED_ROW}
       AND (:all_states OR {_STATES_IN})
       AND (:tool IS NULL OR tool = :tool)
     ORDER BY created_at DESC
@@ -200,8 +220,7 @@ _FINAL_VALUES: Final = ", ".join(f"'{s.value}'" for s in State if s in FINAL_STA
 
 PURGE: Final = f"""
     DELETE FROM twiceshy_records
-    WHERE expires_at IS NOT NULL
-      AND expires_at <= :now
+    WHERE {EXPIRED_ROW}
       AND state IN ({_FINAL_VALUES})
       AND (:namespace IS NULL OR namespace = :namespace)
 """
@@ -209,8 +228,7 @@ PURGE: Final = f"""
 # What PURGE would delete, read only (``gc --dry-run``).
 EXPIRED: Final = f"""
     SELECT {COLUMNS} FROM twiceshy_records
-    WHERE expires_at IS NOT NULL
-      AND expires_at <= :now
+    WHERE {EXPIRED_ROW}
       AND state IN ({_FINAL_VALUES})
       AND (:namespace IS NULL OR namespace = :namespace)
     ORDER BY namespace, expires_at, key
@@ -242,6 +260,7 @@ def claim_params(fresh: Record, now: float) -> dict[str, object]:
         "lease_deadline": fresh.lease_deadline,
         "attempts": fresh.attempts,
         "now": now,
+        "soon": now + CLOCK_TOLERANCE,
         "args": fresh.args,
     }
 
@@ -267,9 +286,16 @@ def write_params(namespace: str, key: str, change: Change, now: float) -> dict[s
         "result": change.result if to is State.SUCCEEDED else None,
         "error": change.error if to in (State.FAILED, State.UNKNOWN) else None,
         "reason": change.reason if to is State.UNKNOWN else None,
-        "expires_at": (now + change.ttl if to in FINAL_STATES and change.ttl is not None else None),
+        # NULL keeps no expiry; the statement counts it from now or the ledger's latest time.
+        "ttl": change.ttl if to in FINAL_STATES else None,
+        "soon": now + CLOCK_TOLERANCE,
         **state_slots(change.from_states),
     }
+
+
+def expired_params(namespace: str | None, now: float) -> dict[str, object]:
+    """What :data:`PURGE` and :data:`EXPIRED` bind: ``None`` is every namespace."""
+    return {"namespace": namespace, "now": now, "soon": now + CLOCK_TOLERANCE}
 
 
 def records_params(
@@ -279,6 +305,7 @@ def records_params(
     return {
         "namespace": namespace,
         "now": now,
+        "soon": now + CLOCK_TOLERANCE,
         "all_states": states is None,
         "tool": tool,
         "limit": -1 if limit is None else max(limit, 0),

@@ -18,6 +18,7 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..._records import (
+    CLOCK_TOLERANCE,
     Change,
     Effect,
     Record,
@@ -28,6 +29,7 @@ from ..._records import (
     new_claim,
 )
 from ...errors import StoreError
+from .._skew import ClockSkew
 from . import _sql
 from ._files import LedgerFile
 from ._setup import (
@@ -121,6 +123,7 @@ class SQLiteStore:
         self._version = 0
         # Opened by this name whatever the working directory later is.
         where = os.path.abspath(self.path)
+        self._skew = ClockSkew(f"SQLite ledger {where!r}")
         self._setup = Setup(
             self.path,
             where,
@@ -232,7 +235,8 @@ class SQLiteStore:
             existing = _read(conn, namespace, key)
         # Fast path: the claim statement never changes a live record, so a live record is
         # answered from a plain read, without taking the writer's lock.
-        if existing is not None and is_live(existing, now):
+        if existing is not None and is_live(existing, now, CLOCK_TOLERANCE):
+            self._skew.saw(existing, now)
             won = existing.state is State.CLAIMED and existing.owner == owner
             return make_snapshot(existing, now, won)
 
@@ -255,8 +259,10 @@ class SQLiteStore:
             record = _sql.to_record(rows[0]) if rows else _read(conn, namespace, key)
         if inserted:
             self._notify()
-        if record is None or not is_live(record, now):  # cannot happen: the row was just read
+        # Cannot happen: the row was just written, or judged live by the statement.
+        if record is None or not is_live(record, now, CLOCK_TOLERANCE):
             raise StoreError(f"SQLite ledger lost the claim of {namespace!r}/{key!r}")
+        self._skew.saw(record, now)
         won = inserted or (record.state is State.CLAIMED and record.owner == owner)
         return make_snapshot(record, now, won)
 
@@ -270,8 +276,13 @@ class SQLiteStore:
             record = _sql.to_record(rows[0]) if rows else _read(conn, namespace, key)
         if won:
             self._notify()
-        elif record is not None and not is_live(record, now):
+            assert record is not None
+            if record.expires_at is not None and change.ttl is not None:
+                self._skew.moved(record, record.expires_at - now - change.ttl)
+        elif record is not None and not is_live(record, now, CLOCK_TOLERANCE):
             record = None  # a record past its retention is no record; one just written is
+        if record is not None:
+            self._skew.saw(record, now)
         return make_snapshot(record, now, won)
 
     def get(self, namespace: str, key: str) -> Snapshot:
@@ -279,8 +290,11 @@ class SQLiteStore:
         with self._files.lend() as conn:
             now = self._clock()
             record = _read(conn, namespace, key)
-        if record is not None and not is_live(record, now):
-            record = None
+        if record is not None:
+            if not is_live(record, now, CLOCK_TOLERANCE):
+                record = None
+            else:
+                self._skew.saw(record, now)
         return make_snapshot(record, now, False)
 
     def wait(self, namespace: str, key: str, fence: int, timeout: float) -> Snapshot:
@@ -329,14 +343,14 @@ class SQLiteStore:
         with self._files.lend() as conn:
             now = self._clock()
             # One statement in autocommit mode is its own transaction.
-            count: int = conn.execute(_sql.PURGE, {"now": now, "namespace": namespace}).rowcount
+            count: int = conn.execute(_sql.PURGE, _sql.expired_params(namespace, now)).rowcount
         return count
 
     def expired(self, namespace: str | None = None) -> list[Record]:
         """See :meth:`twiceshy.stores.ExpiredOutcomes.expired`."""
         with self._files.lend() as conn:
             now = self._clock()
-            rows = conn.execute(_sql.EXPIRED, {"now": now, "namespace": namespace}).fetchall()
+            rows = conn.execute(_sql.EXPIRED, _sql.expired_params(namespace, now)).fetchall()
         return [_sql.to_record(row) for row in rows]
 
     def add_counts(self, namespace: str, counts: Mapping[tuple[str, str], int]) -> None:
