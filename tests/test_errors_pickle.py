@@ -117,6 +117,24 @@ def test_an_error_survives_deepcopy_and_copy(name: str) -> None:
     _same(copy.copy(original), original)
 
 
+def test_an_in_progress_worded_for_an_engine_survives() -> None:
+    """An InProgress worded for a durable engine's unit keeps its words and its fields through
+    pickle and deepcopy (DBOS and Prefect journal a unit's error)."""
+    original = twiceshy.InProgress(
+        "charge_card",
+        KEY,
+        started_at=1_780_000_000.25,
+        lapses_at=1_780_000_030.25,
+        effect="keyed",
+        ends="DBOS does not run this step again",
+        resumable=False,
+    )
+    for copied in (pickle.loads(pickle.dumps(original)), copy.deepcopy(original)):
+        _same(copied, original)
+        assert isinstance(copied, twiceshy.InProgress)
+        assert (copied.ends, copied.resumable) == ("DBOS does not run this step again", False)
+
+
 def test_fields_and_notes_survive() -> None:
     """The attributes a caller reads (``tool``, ``key``, ``bound``...) and ``__notes__`` stay."""
     error = pickle.loads(pickle.dumps(_with_note()))

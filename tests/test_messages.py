@@ -70,6 +70,52 @@ def test_a_claim_left_by_a_killed_process_is_not_called_running(
     assert effects == []
 
 
+@pytest.mark.parametrize("here", [False, True], ids=["in-the-ledger", "in-this-process"])
+def test_in_progress_inside_an_engine_says_its_retries_end_and_promises_no_call(
+    here: bool,
+) -> None:
+    """Worded for a durable engine's unit that no later call will follow (a DBOS step),
+    InProgress says what ends there and that the action needs checking, and promises neither a
+    next call nor what a lapse brings."""
+    error = twiceshy.InProgress(
+        "charge",
+        "k" * 64,
+        started_at=1_700_000_000.0,
+        lapses_at=1_700_000_030.0,
+        effect="keyed",
+        here=here,
+        ends="DBOS does not run this step again",
+        resumable=False,
+    )
+    text = " ".join(str(error).split())
+    assert (
+        "This call did not start it a second time, and DBOS does not run this step again." in text
+    )
+    assert "next identical call" not in text
+    assert "If it records none by" not in text
+    assert "try again" not in text.lower()
+    if not here:
+        assert "Nothing will take it up by itself" in text
+        assert "needs to be checked (reference kkkkkkkkkkkkkkkk)" in text
+
+
+def test_in_progress_inside_an_engine_that_may_call_again_says_what_a_lapse_brings() -> None:
+    """Worded for a unit whose engine stops retrying but may run the intent again (a Prefect
+    flow run retried, a Temporal activity run again), InProgress says both."""
+    error = twiceshy.InProgress(
+        "charge",
+        "k" * 64,
+        started_at=1_700_000_000.0,
+        lapses_at=1_700_000_030.0,
+        effect="unsafe",
+        ends="Temporal does not retry this activity",
+    )
+    text = " ".join(str(error).split())
+    assert "did not start it a second time, and Temporal does not retry this activity." in text
+    assert "If it records none by 2023-11-14 22:13:50 UTC, its outcome becomes unknown" in text
+    assert text.endswith("has not been confirmed (reference kkkkkkkkkkkkkkkk).")
+
+
 def test_a_call_joined_in_this_process_is_still_running() -> None:
     """A duplicate that joined a call running in this process knows that it runs."""
     ledger = twiceshy.Ledger("memory://", counts_interval=None)

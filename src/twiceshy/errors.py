@@ -221,6 +221,11 @@ class InProgress(TwiceshyError):
     started at a time and may still be running or may have stopped with its process, and what
     happens when its lease lapses.
 
+    Raised inside a unit of a durable engine (a DBOS step, a Prefect task, a Temporal activity),
+    the engine adapters say so (``ends=``): the engine's retries end with this answer. Where the
+    engine offers no later call of the same intent (a DBOS workflow ends with it, and a recovery
+    or a resume answers the same), the text promises none (``resumable=False``).
+
     Attributes:
         tool: the tool's name.
         key: the intent's key.
@@ -231,6 +236,11 @@ class InProgress(TwiceshyError):
         here: the identical call is running in this process.
         resumed: the intent was claimed again since it was first started (a lapsed lease taken
             over, a released or unknown intent run again).
+        ends: what ends with this answer, said by an engine adapter (``"Prefect does not retry
+            this task"``); ``""`` outside an engine.
+        resumable: a later identical call may come by itself (a model's re-call, a retry) and
+            take the intent up once the lease lapses. ``False`` where nothing will: the text then
+            says that the action needs to be checked.
     """
 
     def __init__(
@@ -243,6 +253,8 @@ class InProgress(TwiceshyError):
         effect: str = "",
         here: bool = False,
         resumed: bool = False,
+        ends: str = "",
+        resumable: bool = True,
     ) -> None:
         self.tool = tool
         self.key = key
@@ -251,17 +263,34 @@ class InProgress(TwiceshyError):
         self.effect = effect
         self.here = here
         self.resumed = resumed
+        self.ends = ends
+        self.resumable = resumable
         reference = f"(reference {key[:16]})"
         if here or started_at is None:
+            if not ends:
+                super().__init__(
+                    f"An identical call of the tool {tool!r} is still running; its outcome is not "
+                    "known yet and this call did not start it a second time. Tell the user the "
+                    f"action is under way {reference}."
+                )
+                return
             super().__init__(
                 f"An identical call of the tool {tool!r} is still running; its outcome is not "
-                "known yet and this call did not start it a second time. Tell the user the "
-                f"action is under way {reference}."
+                f"known yet. This call did not start it a second time, and {ends}. Tell the "
+                f"user the action is under way and has not been confirmed {reference}."
             )
             return
         again = ", was taken up again since," if resumed else ""
+        stop = f", and {ends}" if ends else ""
         then = ""
-        if lapses_at is not None:
+        tell = "Tell the user the action may be under way and has not been confirmed"
+        if not resumable:
+            # Nothing comes back for this intent: no lapse will be acted on by itself.
+            tell = (
+                "Nothing will take it up by itself: tell the user the action may be under way, "
+                "has not been confirmed and needs to be checked"
+            )
+        elif lapses_at is not None:
             after = {
                 "keyed": "the next identical call resumes it with the same idempotency key, so "
                 "the provider does not apply it twice",
@@ -271,8 +300,7 @@ class InProgress(TwiceshyError):
         super().__init__(
             f"An identical call of the tool {tool!r} started at {_when(started_at)}{again} and has "
             "not recorded an outcome: it may still be running, or the process running it may have "
-            f"stopped. This call did not start it a second time.{then} Tell the user the "
-            f"action may be under way and has not been confirmed {reference}."
+            f"stopped. This call did not start it a second time{stop}.{then} {tell} {reference}."
         )
 
 

@@ -4,7 +4,8 @@ is one per process, and a test kills some of them with SIGKILL).
 ``python dbos_app.py SETTINGS_JSON`` launches DBOS on the settings' system database, then, in
 phase ``first``, starts the workflow ``wf-1`` of the settings' scenario and waits for it; in
 phase ``recover`` it lets DBOS recover that workflow and waits for it. Either way it prints what
-the workflow ended with, as one JSON line. Every command the ledger sends its store is written
+the workflow ended with, as one JSON line (scenario ``recover-in-lease`` starts three workflows,
+and prints what each ended with, by its id). Every command the ledger sends its store is written
 to ``io.jsonl`` with where it ran (the workflow id, and DBOS's step id: ``null`` in workflow
 code), and every charge the provider double got to ``provider.jsonl``.
 """
@@ -16,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +121,7 @@ def charge_body(amount: int, customer: str) -> str:
     charge_id = provider.charge(key, amount, customer)
     if SCENARIO == "lost-answer" and runs == 1:
         raise ConnectionError("the connection dropped before the provider's answer arrived")
-    if SCENARIO == "kill-in-step" and PHASE == "first":
+    if SCENARIO in ("kill-in-step", "kill-in-child") and PHASE == "first":
         die()
     return charge_id
 
@@ -156,6 +158,69 @@ else:
     def order(amount: int, customer: str) -> str:
         """Charge, then notify: twiceshy runs in the steps only."""
         return notify(charge(amount, customer))
+
+
+# -- child workflows ---------------------------------------------------------------------------
+
+
+@DBOS.workflow()
+def charge_child(amount: int, customer: str) -> str:
+    """A child workflow that charges; started without an id, DBOS derives one from its parent's
+    id and the call's position (scenario ``kill-in-child`` dies in the first one's charge)."""
+    return charge(amount, customer)
+
+
+@DBOS.workflow()
+def order_children(amount: int, customer: str) -> str:
+    """Two children, each charging the same arguments: two children, two intents."""
+    first = charge_child(amount, customer)
+    second = charge_child(amount, customer)
+    return f"{first} {second}"
+
+
+# -- a recovery inside the dead worker's lease -------------------------------------------------
+
+# Longer than the 10 s a call waited by default, and than a worker takes to start: the recovery
+# meets the claims of the killed worker well inside their lease.
+LEASE_IN_RECOVERY = 15.0
+# Scenario ``recover-in-lease``: three workflows charge at once, and the worker dies once all
+# three have charged, each inside its step.
+charged_all = threading.Barrier(3, action=die)
+
+
+def charge_in_lease(amount: int, customer: str, key: str | None) -> str:
+    """Charge; in phase ``first``, die once every workflow of the scenario has charged."""
+    charge_id = provider.charge(key, amount, customer)
+    if PHASE == "first":
+        charged_all.wait(60)
+    return charge_id
+
+
+@step(ledger, effect=KEYED, name="charge_keyed", lease=LEASE_IN_RECOVERY)
+def charge_keyed(amount: int, customer: str) -> str:
+    """A KEYED charge, with the step's default wait."""
+    return charge_in_lease(amount, customer, twiceshy.current_key())
+
+
+@step(ledger, effect=UNSAFE, name="charge_unsafe", lease=LEASE_IN_RECOVERY)
+def charge_unsafe(amount: int, customer: str) -> str:
+    """An UNSAFE charge, with the step's default wait."""
+    return charge_in_lease(amount, customer, None)
+
+
+@step(ledger, effect=KEYED, name="charge_hasty", lease=LEASE_IN_RECOVERY, wait=0.5)
+def charge_hasty(amount: int, customer: str) -> str:
+    """A KEYED charge whose own ``wait=`` is shorter than its lease: it answers InProgress."""
+    return charge_in_lease(amount, customer, twiceshy.current_key())
+
+
+IN_LEASE = {"wf-keyed": charge_keyed, "wf-unsafe": charge_unsafe, "wf-hasty": charge_hasty}
+
+
+@DBOS.workflow()
+def order_in_lease(workflow_id: str, amount: int, customer: str) -> str:
+    """Charge with the step of this workflow's id."""
+    return IN_LEASE[workflow_id](amount, customer)
 
 
 # -- Pydantic AI's durable agent ---------------------------------------------------------------
@@ -243,9 +308,25 @@ def main() -> None:
     DBOS(config=config)  # type: ignore[arg-type]
     DBOS.launch()
     try:
+        if SCENARIO == "recover-in-lease":
+            handles = {}
+            for workflow_id in IN_LEASE:
+                if PHASE == "first":
+                    with SetWorkflowID(workflow_id):
+                        handles[workflow_id] = DBOS.start_workflow(
+                            order_in_lease, workflow_id, 4900, "cus_1"
+                        )
+                else:
+                    handles[workflow_id] = DBOS.retrieve_workflow(workflow_id)
+            print(json.dumps({w: outcome(h) for w, h in handles.items()}), flush=True)
+            return
         if PHASE == "first":
             with SetWorkflowID(WORKFLOW_ID):
-                workflow = order_agent if SCENARIO.startswith("agent") else order
+                workflow = order
+                if SCENARIO.startswith("agent"):
+                    workflow = order_agent
+                elif SCENARIO == "kill-in-child":
+                    workflow = order_children
                 handle = DBOS.start_workflow(workflow, 4900, "cus_1")
         else:
             handle = DBOS.retrieve_workflow(WORKFLOW_ID)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from dbos import DBOSClient
 from docs_examples import run_example
-from provider_log import Provider
+from provider_log import CHARGE, Provider
 
 import servers
 import twiceshy
@@ -98,14 +98,14 @@ def provider(settings: dict[str, Any]) -> Provider:
     return Provider(Path(settings["dir"]) / "provider.jsonl")
 
 
-def heard(settings: dict[str, Any]) -> BaseException:
+def heard(settings: dict[str, Any], workflow_id: str = "wf-1") -> BaseException:
     """The error the workflow ended with, as another process reads it from DBOS's journal."""
     client = DBOSClient(
         system_database_url=settings["system_database"],
         dbos_system_schema=settings.get("schema") or "dbos",
     )
     try:
-        client.retrieve_workflow("wf-1").get_result()
+        client.retrieve_workflow(workflow_id).get_result()
     except BaseException as exc:
         return exc
     finally:
@@ -212,6 +212,51 @@ def test_recovery_replays_checkpointed_steps_without_asking_the_ledger(
     commands = io(settings)
     assert commands
     assert all(c["workflow"] == "wf-1" and c["step"] is not None for c in commands)
+
+
+def test_a_recovery_inside_the_dead_workers_lease_waits_it_out(engine: dict[str, Any]) -> None:
+    """The worker dies mid-step and DBOS recovers its workflows at once, well inside the dead
+    claims' 15 s lease: by default a step waits the lease out, then a KEYED charge resumes with
+    the same key (one effect) and an UNSAFE one answers OutcomeUnknown. A step whose own wait=
+    is shorter answers InProgress, which promises no later call: DBOS does not run it again."""
+    settings = {**engine, "scenario": "recover-in-lease"}
+    ended = crash_and_recover(settings)
+    waited = {c["workflow"] for c in io(settings, "recover") if c["command"] == "wait"}
+    assert {"wf-keyed", "wf-unsafe"} <= waited  # the recovery met the claims inside their lease
+    keyed = twiceshy.idempotency_key("wf-keyed", "charge_keyed", CHARGE)
+    resumed = [r for r in provider(settings).requests() if r["key"] == keyed]
+    assert len(resumed) == 2
+    assert resumed[0]["pid"] != resumed[1]["pid"]
+    assert ended["wf-keyed"]["output"].startswith("ch_")
+    assert ended["wf-unsafe"]["error"] == "OutcomeUnknown"
+    assert [r["key"] for r in provider(settings).requests()].count(None) == 1
+    hasty = ended["wf-hasty"]
+    assert hasty["error"] == "InProgress"
+    assert hasty["key"] == twiceshy.idempotency_key("wf-hasty", "charge_hasty", CHARGE)
+    text = " ".join(hasty["message"].split())
+    assert "DBOS does not run this step again" in text
+    assert "Nothing will take it up by itself" in text
+    assert "next identical call" not in text
+    assert str(heard(settings, "wf-hasty")) == hasty["message"]
+
+
+def test_a_child_workflows_scope_is_the_id_dbos_derives_for_it(tmp_path: Path) -> None:
+    """Child workflows started without an id: DBOS derives each one's id from its parent's and
+    the call's position, the same in the recovery. The worker dies in the first child's KEYED
+    charge; the recovered child resumes it with the same key (one effect), and the second child,
+    with the same arguments, is an intent of its own."""
+    settings = {
+        "system_database": f"sqlite:///{tmp_path / 'dbos.db'}",
+        "ledger": f"sqlite:///{tmp_path / 'ledger.db'}",
+        "dir": str(tmp_path),
+        "scenario": "kill-in-child",
+        "effect": "keyed",
+    }
+    ended = crash_and_recover(settings)
+    first, second = (twiceshy.idempotency_key(f"wf-1-{n}", "charge", CHARGE) for n in (1, 3))
+    assert provider(settings).keys == [first, first, second]
+    assert provider(settings).effects == 2
+    assert ended == {"output": "ch_1 ch_2"}
 
 
 # -- Pydantic AI's durable agent ---------------------------------------------------------------

@@ -25,6 +25,17 @@ What it does:
   which a recovery would not have. Two calls with the same arguments in one workflow are one
   intent; a deliberate repeat must differ in an argument. Called outside any workflow, the step is
   a plain call, scoped as any protected tool (an enclosing ``twiceshy.run(...)``, ``scope=``).
+- A child workflow started without an id of its own gets one that DBOS derives from its parent's
+  id and the call's position in the parent (``"wf-1-2"``), the same in every recovery of the
+  parent: its steps' scope is stable as it is. A forked workflow (``DBOS.fork_workflow``) has a
+  new id, and so do its children: a new scope, whose steps run again.
+- A recovery waits out the dead worker's lease: unless the options give ``wait=``, a step waits
+  ``lease=`` plus 5 seconds for an identical call that holds the claim, so a workflow recovered
+  at once after its process died takes the intent over (KEYED, with the same key) or answers
+  ``OutcomeUnknown`` (UNSAFE), instead of ``InProgress``. Where ``InProgress`` is still the
+  answer (a live owner outlasted the wait), it says that DBOS does not run the step again and
+  that nothing will take the intent up by itself: a recovery or a resume of the workflow answers
+  the same.
 - twiceshy's final answers end the step's retries: ``should_retry`` refuses every
   :class:`twiceshy.TwiceshyError` but ``NotApplied`` and ``StoreUnavailable`` (nothing ran), so
   the step fails at once and the workflow hears ``OutcomeUnknown``, ``InProgress``,
@@ -43,9 +54,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from dbos import DBOS
 
-from twiceshy import Effect, Ledger, run
+from twiceshy import Effect, InProgress, Ledger, run
 
-from ._durable import is_final, retried
+from ._durable import in_engine, is_final, retried, waiting_out_the_lease
 
 __all__ = ["retryable", "step", "workflow_scope"]
 
@@ -95,7 +106,8 @@ def step(
         should_retry: your own predicate over the step's error (sync for a sync step), asked
             only for errors that are not twiceshy's final answers.
         **options: the options of :meth:`twiceshy.Ledger.tool` (``attempts=``, ``lease=``,
-            ``key_args=``, ``reconcile=``, ``key_window=``...).
+            ``key_args=``, ``reconcile=``, ``key_window=``...). ``wait=`` is ``lease=`` plus 5
+            seconds unless given: a recovery waits out the dead worker's lease.
 
     Returns:
         A decorator for a ``def`` or ``async def`` tool.
@@ -109,6 +121,8 @@ def step(
         raise TypeError(f"ledger must be a twiceshy.Ledger, not {type(ledger).__name__}")
     if name is not None:
         options["name"] = name
+
+    options = waiting_out_the_lease(options)
 
     def decorate(function: Callable[P, R]) -> Callable[P, R]:
         protected = ledger.tool(effect=effect, **options)(function)
@@ -124,8 +138,14 @@ def step(
     return decorate
 
 
+# What ends with InProgress in a step: DBOS's retries, and the workflow, which records it as the
+# step's outcome. Neither a recovery nor a resume asks the ledger again; a fork is a new scope.
+_ENDS = "DBOS does not run this step again: a recovery or a resume of the workflow answers the same"
+
+
 def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
-    """``protected``, called in the workflow's scope when there is a workflow."""
+    """``protected``, called in the workflow's scope when there is a workflow, its ``InProgress``
+    worded for a step."""
     if inspect.iscoroutinefunction(protected):
 
         @functools.wraps(protected)
@@ -133,8 +153,11 @@ def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
             scope = workflow_scope()
             if scope is None:
                 return await protected(*args, **kwargs)
-            with run(scope):
-                return await protected(*args, **kwargs)
+            try:
+                with run(scope):
+                    return await protected(*args, **kwargs)
+            except InProgress as exc:
+                raise in_engine(exc, ends=_ENDS, resumable=False) from None
 
         return cast(Callable[P, R], scoped_async)
 
@@ -143,7 +166,10 @@ def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
         scope = workflow_scope()
         if scope is None:
             return protected(*args, **kwargs)
-        with run(scope):
-            return protected(*args, **kwargs)
+        try:
+            with run(scope):
+                return protected(*args, **kwargs)
+        except InProgress as exc:
+            raise in_engine(exc, ends=_ENDS, resumable=False) from None
 
     return scoped
