@@ -7,14 +7,16 @@ prefect_app.py`` in phase ``first`` runs the flow ``order`` of the settings' sce
 flow run's id to ``flow_run.txt``); phase ``crashed`` marks that flow run crashed, as Prefect
 does for a run whose worker died; phase ``report`` prints how the flow run ended as one JSON
 line, its error read back from Prefect's result storage. Every command the ledger sends its
-store is written to ``io.jsonl`` with where it ran (in a task run or not), and every charge the
-provider double got to ``provider.jsonl``.
+store is written to ``io.jsonl`` with where it ran (in a task run or not), every charge the
+provider double got to ``provider.jsonl``, every subflow run's id to ``subflows.jsonl``, and
+twiceshy's warnings to ``twiceshy.log``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -37,6 +39,7 @@ SCENARIO: str = SETTINGS["scenario"]
 PHASE: str = SETTINGS["phase"]
 HERE = Path(SETTINGS["dir"])
 provider = Provider(HERE / "provider.jsonl")
+logging.getLogger("twiceshy").addHandler(logging.FileHandler(HERE / "twiceshy.log"))
 
 
 def note(name: str, **fields: Any) -> None:
@@ -94,6 +97,7 @@ EFFECT = {"keyed": KEYED, "unsafe": UNSAFE}[SETTINGS.get("effect", "keyed")]
 TOOL_OPTIONS: dict[str, Any] = {"lease": 1.0, "wait": 15.0}
 if EFFECT is KEYED:
     TOOL_OPTIONS["attempts"] = 1
+TOOL_OPTIONS.update(SETTINGS.get("tool_options", {}))  # a scenario's own lease= and wait=
 
 
 def refuse_dropped_connections(task: Any, task_run: Any, state: Any) -> bool:
@@ -110,7 +114,7 @@ def charge_body(amount: int, customer: str, key: str | None) -> str:
     global runs
     runs += 1
     charge_id = provider.charge(key, amount, customer)
-    if SCENARIO in ("lost-answer", "agent-capability", "agent-in-task") and runs == 1:
+    if SCENARIO in ("lost-answer", "agent-capability", "agent-in-task", "children") and runs == 1:
         raise ConnectionError("the connection dropped before the provider's answer arrived")
     if SCENARIO == "kill-in-task" and PHASE != "first":
         return charge_id
@@ -153,6 +157,58 @@ def order(amount: int, customer: str) -> str:
     if SCENARIO.startswith("agent"):
         return asyncio.run(agent_order(amount, customer))
     return notify(charge(amount, customer))
+
+
+# -- subflows ----------------------------------------------------------------------------------
+
+
+@task(ledger, effect=KEYED, name="charge", attempts=1, lease=1.0)
+def charge_once(amount: int, customer: str) -> str:
+    """The charge as a task Prefect does not retry: a lost answer fails its subflow."""
+    return charge_body(amount, customer, twiceshy.current_key())
+
+
+@flow(name="charge-order", persist_result=True)
+def charge_order(amount: int, customer: str) -> str:
+    """A subflow that charges; Prefect gives each of its runs an id of its own."""
+    from prefect.runtime import flow_run
+
+    note("subflows.jsonl", id=str(flow_run.id))
+    return charge_once(amount, customer)
+
+
+@flow(name="checkout", persist_result=True)
+def checkout(amount: int, customer: str) -> str:
+    """A subflow whose own subflow charges: a subflow of a subflow."""
+    return charge_order(amount, customer)
+
+
+@flow(name="order-children", persist_result=True, retries=1, retry_delay_seconds=0)
+def order_children(amount: int, customer: str) -> str:
+    """Scenario ``children``: two calls of the subflow ``checkout`` with the same arguments; the
+    first one's charge loses its answer, which fails its subflow, ``checkout`` and this flow,
+    which Prefect retries."""
+    from prefect.runtime import flow_run
+
+    (HERE / "flow_run.txt").write_text(str(flow_run.id))
+    first = checkout(amount, customer)
+    second = checkout(amount, customer)
+    return f"{first} {second}"
+
+
+@prefect_task
+def charge_in_a_task(amount: int, customer: str) -> str:
+    """Calls the subflow inside a task, where Prefect names it at random."""
+    return charge_order(amount, customer)
+
+
+@flow(name="order-child-in-task", persist_result=True)
+def order_child_in_task(amount: int, customer: str) -> str:
+    """Scenario ``child-in-task``: the subflow called inside a task."""
+    from prefect.runtime import flow_run
+
+    (HERE / "flow_run.txt").write_text(str(flow_run.id))
+    return charge_in_a_task(amount, customer)
 
 
 # -- Pydantic AI's durable agent ---------------------------------------------------------------
@@ -245,8 +301,9 @@ async def report() -> dict[str, Any]:
 
 def main() -> None:
     if PHASE == "first":
+        flows = {"children": order_children, "child-in-task": order_child_in_task}
         try:
-            order(4900, "cus_1")
+            flows.get(SCENARIO, order)(4900, "cus_1")
         except Exception as exc:  # the flow run's end is read back by phase "report"
             print(f"the flow run failed: {exc!r}", file=sys.stderr)
     elif PHASE == "crashed":

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from docs_examples import run_example
 from prefect.states import Failed
-from provider_log import Provider
+from provider_log import CHARGE, Provider
 
 import twiceshy
 from twiceshy import KEYED, errors
@@ -224,6 +224,27 @@ def test_an_unsafe_task_killed_mid_way_answers_unknown_once(
     assert claims(io(tmp_path, "recover")) == 1
 
 
+def test_inside_the_dead_workers_lease_in_progress_says_prefect_does_not_retry(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The retried flow run's task meets the killed worker's claim inside its lease; with a
+    wait= shorter than the lease, it answers InProgress, which ends Prefect's retries and says
+    so, and says what a later identical call (a retry of the flow run) does once the lease
+    lapses."""
+    ended = scenario(
+        prefect_env,
+        tmp_path,
+        "kill-in-task",
+        effect="keyed",
+        tool_options={"lease": 60.0, "wait": 0.5},
+    )
+    assert (ended["state"], ended["error"]) == ("FAILED", "InProgress")
+    text = " ".join(ended["message"].split())
+    assert "This call did not start it a second time, and Prefect does not retry this task." in text
+    assert "the next identical call resumes it with the same idempotency key" in text
+    assert len(provider(tmp_path).requests()) == 1
+
+
 def test_an_outcome_recorded_before_prefect_kept_it_is_replayed(
     prefect_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -245,6 +266,53 @@ def test_a_retried_flow_run_takes_completed_tasks_from_prefect_without_the_ledge
     assert io(tmp_path, "recover") == []
     assert io(tmp_path)
     assert all(c["in_task"] for c in io(tmp_path))
+
+
+# -- subflows ---------------------------------------------------------------------------------
+
+
+def subflow_runs(tmp_path: Path) -> list[str]:
+    """The id of every subflow run, in the order they started."""
+    return [
+        json.loads(line)["id"] for line in (tmp_path / "subflows.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_retried_parent_resumes_its_subflows_charge_with_the_same_key(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A subflow of a subflow charges (KEYED), its answer is lost, and it fails, and so its
+    parent subflow and the flow, which Prefect retries: Prefect runs both subflows again under
+    new run ids, and the charge resumes with the key of their places in their parents (one
+    charge, one key). The flow's second call of the subflow, with the same arguments, is an
+    intent of its own."""
+    ended = scenario(prefect_env, tmp_path, "children")
+    assert ended == {"state": "COMPLETED", "output": "ch_1 ch_2"}
+    lost, retried, second = subflow_runs(tmp_path)
+    assert len({lost, retried, second}) == 3  # Prefect ran the retried subflow under a new id
+    parent = (tmp_path / "flow_run.txt").read_text()
+    first_key, second_key = (
+        twiceshy.idempotency_key(f"{parent}/checkout#{n}/charge_order#0", "charge", CHARGE)
+        for n in (0, 1)
+    )
+    assert provider(tmp_path).keys == [first_key, first_key, second_key]
+    assert provider(tmp_path).effects == 2
+
+
+def test_a_subflow_called_in_a_task_is_scoped_by_its_run_with_a_warning(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A subflow called inside a task has no stable identity in its parent (Prefect names it at
+    random): its charge is scoped by the subflow's own run, and twiceshy logs a warning that
+    says so and to call the subflow from the flow's code."""
+    ended = scenario(prefect_env, tmp_path, "child-in-task")
+    assert ended["state"] == "COMPLETED"
+    (subflow,) = subflow_runs(tmp_path)
+    assert provider(tmp_path).keys == [twiceshy.idempotency_key(subflow, "charge", CHARGE)]
+    logged = " ".join((tmp_path / "twiceshy.log").read_text().split())
+    assert f"the subflow run {subflow}" in logged
+    assert "has no stable identity in its parent" in logged
+    assert "Call the subflow from the flow's own code" in logged
 
 
 # -- Pydantic AI's durable agent ---------------------------------------------------------------
