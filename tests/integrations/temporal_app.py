@@ -6,13 +6,16 @@ its name, so that a workflow importing it passed through gets this module, not a
 reads its settings as JSON from ``TWICESHY_TEMPORAL_APP``, connects to the Temporal server named
 there and serves the workflows of ``temporal_workflows.py`` and the activities below until it is
 ended. Every command the ledger sends its store is written to ``io.jsonl`` with where it ran (in
-an activity, in workflow code), and every charge the provider double got to ``provider.jsonl``.
+an activity, in workflow code), every charge the provider double got to ``provider.jsonl``, and
+twiceshy's warnings to ``twiceshy.log``. twiceshy's interceptor is installed on the client (the
+worker takes it from there) unless the settings say ``"interceptor": false``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -20,7 +23,15 @@ from typing import Any
 
 import temporal_tools  # noqa: F401  (imported before the workflows pass it through)
 from provider_log import Provider
-from temporal_workflows import Misplaced, MisplacedAgentTool, Order, OrderAgent
+from temporal_workflows import (
+    ChargeChild,
+    CheckoutChild,
+    Misplaced,
+    MisplacedAgentTool,
+    Order,
+    OrderAgent,
+    OrderChildren,
+)
 from temporalio import activity as temporal_activity
 from temporalio import workflow
 from temporalio.client import Client
@@ -28,7 +39,7 @@ from temporalio.worker import Worker
 
 import twiceshy
 from twiceshy import KEYED, UNSAFE
-from twiceshy.integrations.temporal import activity
+from twiceshy.integrations.temporal import TwiceshyInterceptor, activity
 from twiceshy.stores import open_store
 
 SETTINGS: dict[str, Any] = json.loads(os.environ["TWICESHY_TEMPORAL_APP"])
@@ -36,6 +47,7 @@ SCENARIO: str = SETTINGS["scenario"]
 PHASE: str = SETTINGS["phase"]
 HERE = Path(SETTINGS["dir"])
 provider = Provider(HERE / "provider.jsonl")
+logging.getLogger("twiceshy").addHandler(logging.FileHandler(HERE / "twiceshy.log"))
 
 
 def note(name: str, **fields: Any) -> None:
@@ -98,6 +110,7 @@ EFFECT = {"keyed": KEYED, "unsafe": UNSAFE}[SETTINGS.get("effect", "keyed")]
 TOOL_OPTIONS: dict[str, Any] = {"lease": 1.0, "wait": 15.0}
 if EFFECT is KEYED:
     TOOL_OPTIONS["attempts"] = 1
+TOOL_OPTIONS.update(SETTINGS.get("tool_options", {}))  # a scenario's own lease= and wait=
 runs = 0
 
 
@@ -106,8 +119,10 @@ async def charge_body(amount: int, customer: str) -> str:
     global runs
     runs += 1
     key = twiceshy.current_key() if EFFECT is KEYED else None
+    if temporal_activity.in_activity():
+        note("charged_in.jsonl", workflow=temporal_activity.info().workflow_id)
     charge_id = provider.charge(key, amount, customer)
-    if SCENARIO in ("lost-answer", "agent-lost-answer") and runs == 1:
+    if SCENARIO in ("lost-answer", "agent-lost-answer", "children") and runs == 1:
         raise ConnectionError("the connection dropped before the provider's answer arrived")
     if SCENARIO == "kill-in-activity" and PHASE == "first":
         die()
@@ -181,11 +196,22 @@ async def main() -> None:
         from pydantic_ai.durable_exec.temporal import AgentPlugin, PydanticAIPlugin
 
         plugins, client_plugins = [AgentPlugin(agent)], [PydanticAIPlugin()]
-    client = await Client.connect(SETTINGS["address"], plugins=client_plugins)
+    interceptors = [TwiceshyInterceptor()] if SETTINGS.get("interceptor", True) else []
+    client = await Client.connect(
+        SETTINGS["address"], plugins=client_plugins, interceptors=interceptors
+    )
     worker = Worker(
         client,
         task_queue=SETTINGS["task_queue"],
-        workflows=[Order, Misplaced, MisplacedAgentTool, OrderAgent],
+        workflows=[
+            Order,
+            Misplaced,
+            MisplacedAgentTool,
+            OrderAgent,
+            OrderChildren,
+            CheckoutChild,
+            ChargeChild,
+        ],
         activities=[charge, notify],
         plugins=plugins,
     )

@@ -37,6 +37,61 @@ class Order:
         return notified
 
 
+# One attempt: a lost answer fails the activity, and so its child workflow and the parent.
+ONCE = RetryPolicy(maximum_attempts=1)
+
+
+@workflow.defn(name="charge_child")
+class ChargeChild:
+    """A child workflow that charges, once."""
+
+    @workflow.run
+    async def run(self, amount: int, customer: str) -> str:
+        charge_id: str = await workflow.execute_activity(
+            "charge",
+            args=[amount, customer],
+            start_to_close_timeout=timedelta(seconds=3),
+            retry_policy=ONCE,
+        )
+        return charge_id
+
+
+@workflow.defn(name="checkout_child")
+class CheckoutChild:
+    """A child workflow whose own child charges: a child of a child, both started without ids
+    of their own."""
+
+    @workflow.run
+    async def run(self, amount: int, customer: str) -> str:
+        charge_id: str = await workflow.execute_child_workflow(
+            "charge_child", args=[amount, customer]
+        )
+        return charge_id
+
+
+@workflow.defn(name="order_children")
+class OrderChildren:
+    """Two children charging the same arguments: started without ids of their own (so the SDK
+    draws each one's id, anew in every run of this workflow), each charging in a child of its
+    own; or, with ``named``, charging themselves, started with ids made of this workflow's."""
+
+    @workflow.run
+    async def run(self, amount: int, customer: str, named: bool) -> str:
+        charges = []
+        for n in range(2):
+            if named:
+                child_id = f"{workflow.info().workflow_id}-charge-{n}"
+                charge_id: str = await workflow.execute_child_workflow(
+                    "charge_child", args=[amount, customer], id=child_id
+                )
+            else:
+                charge_id = await workflow.execute_child_workflow(
+                    "checkout_child", args=[amount, customer]
+                )
+            charges.append(charge_id)
+        return " ".join(charges)
+
+
 @workflow.defn(name="misplaced")
 class Misplaced:
     """Calls a protected tool in workflow code, which twiceshy refuses."""

@@ -21,13 +21,15 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from docs_examples import run_example
-from provider_log import Provider
+from provider_log import CHARGE, Provider
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState
 
 import twiceshy
@@ -91,7 +93,9 @@ def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 class Workers:
     """The worker processes of one test, ended (by their ids) when it ends."""
 
-    def __init__(self, address: str, tmp_path: Path, scenario: str, effect: str) -> None:
+    def __init__(
+        self, address: str, tmp_path: Path, scenario: str, effect: str, **more: Any
+    ) -> None:
         self.tmp_path = tmp_path
         self.workflow_id = f"order-{uuid.uuid4().hex[:12]}"
         self.settings = {
@@ -101,6 +105,7 @@ class Workers:
             "dir": str(tmp_path),
             "scenario": scenario,
             "effect": effect,
+            **more,
         }
         self.started: list[subprocess.Popen[bytes]] = []
         self.logs: list[Any] = []
@@ -152,8 +157,8 @@ def workers(request: pytest.FixtureRequest, address: str, tmp_path: Path) -> Ite
     """Makes a test's workers for a scenario; ends them afterwards."""
     made: list[Workers] = []
 
-    def make(scenario: str, effect: str) -> Workers:
-        made.append(Workers(address, tmp_path, scenario, effect))
+    def make(scenario: str, effect: str, **more: Any) -> Workers:
+        made.append(Workers(address, tmp_path, scenario, effect, **more))
         return made[-1]
 
     yield make
@@ -161,7 +166,14 @@ def workers(request: pytest.FixtureRequest, address: str, tmp_path: Path) -> Ite
         one.end()
 
 
-def order(w: Workers, *, kill: bool = False, workflow: str = "order") -> Any:
+def order(
+    w: Workers,
+    *,
+    kill: bool = False,
+    workflow: str = "order",
+    args: tuple[Any, ...] = (4900, "cus_1"),
+    retry_policy: RetryPolicy | None = None,
+) -> Any:
     """Run the ``order`` workflow with the first worker; where that one is to be killed, wait
     for it to die and start another. The workflow's result, or the error it failed with."""
 
@@ -170,9 +182,10 @@ def order(w: Workers, *, kill: bool = False, workflow: str = "order") -> Any:
         client = await Client.connect(str(w.settings["address"]))
         handle = await client.start_workflow(
             workflow,
-            args=[4900, "cus_1"],
+            args=list(args),
             id=w.workflow_id,
             task_queue=str(w.settings["task_queue"]),
+            retry_policy=retry_policy,
         )
         if kill:
             assert await asyncio.to_thread(first.wait, 60) == -signal.SIGKILL
@@ -279,6 +292,84 @@ def test_a_replayed_workflow_never_asks_the_ledger(workers: Any) -> None:
     assert io(w, "recover") == []
     assert io(w)
     assert all(c["in_activity"] and not c["in_workflow"] for c in io(w))
+
+
+def test_inside_the_dead_workers_lease_in_progress_promises_only_what_is_true(
+    workers: Any,
+) -> None:
+    """The worker dies mid-charge, and Temporal's retry on the other worker meets the claim
+    inside its lease; with a wait= shorter than the lease, the activity answers InProgress, a
+    non-retryable error that says Temporal does not retry the activity, and what a later
+    identical call does once the lease lapses."""
+    w = workers("kill-in-activity", "keyed", tool_options={"lease": 60.0, "wait": 0.5})
+    cause = refused(order(w, kill=True))
+    assert cause.type == "InProgress"
+    text = " ".join(cause.message.split())
+    assert "This call did not start it a second time, and Temporal does not retry this " in text
+    assert "the next identical call resumes it with the same idempotency key" in text
+    assert len(provider(w).requests()) == 1
+
+
+# -- child workflows -----------------------------------------------------------------------------
+
+# The parent workflow's own retry policy: a second run after a failed one.
+PARENT_RETRIED = RetryPolicy(maximum_attempts=2, initial_interval=timedelta(milliseconds=100))
+
+
+def charged_in(w: Workers) -> list[str]:
+    """The workflow each charge ran in, in order."""
+    lines = (w.tmp_path / "charged_in.jsonl").read_text().splitlines()
+    return [json.loads(line)["workflow"] for line in lines]
+
+
+def test_a_retried_parent_resumes_its_childs_charge_with_the_same_key(workers: Any) -> None:
+    """A child of a child workflow, both started without ids, charges (KEYED), its answer is
+    lost, and it fails, and so its parent and the top workflow, which Temporal retries: the new
+    run draws both children new ids, and the charge resumes with the key of their places in
+    their parents (one charge, one key). The top workflow's second child, with the same
+    arguments, is an intent of its own."""
+    w = workers("children", "keyed")
+    ended = order(
+        w, workflow="order_children", args=(4900, "cus_1", False), retry_policy=PARENT_RETRIED
+    )
+    assert ended == "ch_1 ch_2"
+    assert len(set(charged_in(w))) == 3  # the retried charge ran under a new workflow id
+    first, second = (
+        twiceshy.idempotency_key(
+            f"{w.workflow_id}/checkout_child#{n}/charge_child#0", "charge", CHARGE
+        )
+        for n in (0, 1)
+    )
+    assert provider(w).keys == [first, first, second]
+    assert provider(w).effects == 2
+
+
+def test_a_child_started_with_an_id_of_its_own_keeps_it_as_its_scope(workers: Any) -> None:
+    """The same, with children that charge themselves, started under ids of the user's own
+    (made of the parent's id): each child is scoped by its id, the same in the parent's retry,
+    as before - one charge for the retried child, and one for the other."""
+    w = workers("children", "keyed")
+    ended = order(
+        w, workflow="order_children", args=(4900, "cus_1", True), retry_policy=PARENT_RETRIED
+    )
+    assert ended == "ch_1 ch_2"
+    assert charged_in(w) == [f"{w.workflow_id}-charge-{n}" for n in (0, 0, 1)]
+    first, second = (
+        twiceshy.idempotency_key(f"{w.workflow_id}-charge-{n}", "charge", CHARGE) for n in (0, 1)
+    )
+    assert provider(w).keys == [first, first, second]
+
+
+def test_without_the_interceptor_the_workflow_id_scopes_with_a_warning(workers: Any) -> None:
+    """On a worker without TwiceshyInterceptor, an activity is scoped by its workflow id (a
+    retry still sends the same key), and twiceshy logs once that the interceptor is missing and
+    what a child workflow then risks."""
+    w = workers("lost-answer", "keyed", interceptor=False)
+    assert order(w) == "notified of ch_1"
+    assert provider(w).keys == [w.key, w.key]
+    logged = " ".join((w.tmp_path / "twiceshy.log").read_text().split())
+    assert logged.count("came without twiceshy's scope") == 1
+    assert "install twiceshy.integrations.temporal.TwiceshyInterceptor" in logged
 
 
 def workflow_task_failure(w: Workers, workflow: str, *args: Any) -> str:
