@@ -9,13 +9,15 @@ out. ``key_args=`` narrows what names the intent, the other arguments kept as th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import inspect
 import logging
 import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ._canonical import MAX_BYTES, MAX_DEPTH, _canonical, canonical_digest
 from .errors import UnkeyableValue
@@ -84,22 +86,55 @@ def warn_if_keyless(
     return True
 
 
-def refuse_generator(fn: Callable[..., Any], tool: str) -> None:
-    """Refuse a generator or async-generator function as a recorded tool: calling it runs
-    none of its body, so its call would be recorded as done before its effects, which would
-    then run as its caller iterates, outside any claim (docs/design.md §4).
+def refuse_generator(
+    fn: Callable[..., Any] | None,
+    tool: str,
+    *,
+    error: type[Exception] = TypeError,
+    consumed: Literal["sync", "async"] | None = None,
+    wrapped: bool = False,
+) -> None:
+    """Refuse a generator or async-generator function as a recorded tool: calling it runs none
+    of its body, so its call would be recorded as done before its effects, which would then run
+    as its caller iterates, outside any claim (docs/design.md §4).
+
+    Args:
+        fn: the tool's function (an object whose ``__call__`` is the tool is read so); ``None``
+            passes.
+        tool: its name, for the message.
+        error: the kind of error to raise (an adapter's own ``TypeError``).
+        consumed: the kind a framework consumes inside the call the ledger wraps, whose body
+            therefore runs within the claim: it passes.
+        wrapped: also read the function ``fn`` wraps (``__wrapped__``), for a framework that
+            looks through wrappers itself. Off by default: a wrapper that collects a
+            generator's items is no generator, and one that returns a generator is caught when
+            called (the intent is released, nothing ran).
 
     Raises:
-        TypeError: ``fn`` is one; the message says what to do.
+        TypeError: ``fn`` is such a function (``error``).
     """
-    unwrapped = inspect.unwrap(fn)
-    if inspect.isgeneratorfunction(unwrapped) or inspect.isasyncgenfunction(unwrapped):
-        raise TypeError(
+    if fn is None:
+        return
+    kinds = {_generates(fn)}
+    if wrapped:
+        with contextlib.suppress(ValueError):  # a cycle of __wrapped__: fn is all there is
+            kinds.add(_generates(inspect.unwrap(fn)))
+    if kinds - {None, consumed}:
+        raise error(
             f"the tool {tool!r} is a generator function: calling it runs none of its body, so "
             "twiceshy would record it as done before its effects, which would then run as its "
             "caller iterates, outside any claim. Return a list (collect the items inside the "
             "tool), or protect the function that makes the effect"
         )
+
+
+def _generates(fn: Callable[..., Any]) -> Literal["sync", "async"] | None:
+    """Which kind of generator function ``fn`` is, if it is one."""
+    if not (inspect.isroutine(fn) or isinstance(fn, functools.partial)):
+        fn = getattr(type(fn), "__call__", fn)  # noqa: B004 - an object whose __call__ is the tool
+    if inspect.isasyncgenfunction(fn):
+        return "async"
+    return "sync" if inspect.isgeneratorfunction(fn) else None
 
 
 # Made per call and never changed, but not frozen: a frozen dataclass pays a setattr per field.

@@ -8,7 +8,12 @@ twiceshy's answers for the model.
   the default (docs/design.md §2, "Which arguments"). Given the JSON the model sent, a value the
   framework made with a ``default_factory`` for an argument or field the model left out (a
   fresh id, the time) is left out of the intent, at any depth: it names nothing the model asked
-  for, and keying it would make every retry a new intent.
+  for, and keying it would make every retry a new intent. Arguments that do not fit the
+  function by Python's own rules (a required one left out, one it has no parameter for) raise
+  :class:`ArgumentsDoNotFit`, the ``TypeError`` the call itself would raise: such a call never
+  runs, so the adapter answers it as its framework answers that error, and nothing is claimed.
+- :func:`refuse_generator`: a recorded tool whose function is a generator is refused where it is
+  declared: calling it returns at once, and its effects would run after the call is recorded.
 - :func:`with_schema_defaults`: for a tool with no Python function behind it (a remote MCP tool),
   the JSON arguments with the input schema's defaults for the ones left out.
 - :func:`for_the_model`: the text the model reads for an error twiceshy must word itself: an
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import typing
 import weakref
@@ -39,15 +45,17 @@ from ..errors import (
     TwiceshyError,
     UnkeyableArgument,
 )
-from ._core import Binder, calls_point_of_no_return, describe, exhausted
+from ._core import Binder, calls_point_of_no_return, describe, exhausted, refuse_generator
 
 __all__ = [
     "ANSWERED",
+    "ArgumentsDoNotFit",
     "effect_at_of",
     "factory_fields",
     "for_the_model",
     "keyed_exhausted",
     "received",
+    "refuse_generator",
     "with_schema_defaults",
 ]
 
@@ -62,6 +70,21 @@ _MADE: weakref.WeakKeyDictionary[Callable[..., Any], frozenset[str]] = weakref.W
 _PURE: frozenset[Any] = frozenset({list, dict, set, frozenset, tuple, str, int, float, bool, bytes})
 """Default factories that make an equal value every time: their value names the intent as a
 plain default does (a ``tags`` list left out and ``[]`` sent are one intent)."""
+
+
+class ArgumentsDoNotFit(TypeError):
+    """A call's arguments do not fit the tool function's parameters by Python's own rules (a
+    required one left out, one it has no parameter for): calling the function would raise this
+    ``TypeError`` before its body ran.
+
+    Raised before anything is claimed: the call never runs, so it is no intent of the ledger's.
+    An adapter answers it as its framework answers such an error (design §4), with the plain
+    ``TypeError`` of :meth:`as_raised`, which the framework words as Python's own.
+    """
+
+    def as_raised(self) -> TypeError:
+        """The ``TypeError`` the function's call would raise, as a framework handles it."""
+        return TypeError(*self.args)
 
 
 def received(
@@ -83,7 +106,9 @@ def received(
     fields of pydantic models and dataclasses inside the arguments.
 
     Raises:
-        TypeError: the arguments do not fit the signature.
+        ArgumentsDoNotFit: the arguments do not fit the signature (a ``TypeError``).
+        TypeError, ValueError: a signature that cannot be read (a builtin without one): the
+            function may still accept the call.
     """
     inject = frozenset(inject)
     try:
@@ -93,7 +118,10 @@ def received(
     binder = binders.get(inject)
     if binder is None:
         binder = binders[inject] = Binder(fn, key_param=None, inject=inject)
-    arguments = binder.bind(*binder.with_injected(tuple(args), kwargs))[0]
+    try:
+        arguments = binder.bind(*binder.with_injected(tuple(args), kwargs))[0]
+    except TypeError as exc:  # inspect's binding: Python's own rules for the call
+        raise ArgumentsDoNotFit(f"{_called(fn)} {exc}") from None
     if sent is None:
         return arguments
     factories = _made_by_factories(fn) | frozenset(made)
@@ -107,6 +135,13 @@ def received(
 
 
 _ABSENT: Any = object()
+
+
+def _called(fn: Callable[..., Any]) -> str:
+    """How Python names ``fn`` in the error of a call that does not fit it: ``send_fax()``."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    return f"{name if isinstance(name, str) else type(target).__name__}()"
 
 
 def _made_by_factories(fn: Callable[..., Any]) -> frozenset[str]:

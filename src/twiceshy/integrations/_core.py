@@ -7,7 +7,7 @@ without touching every adapter.
 
 from __future__ import annotations
 
-from .._binding import Binder, calls_point_of_no_return
+from .._binding import Binder, calls_point_of_no_return, refuse_generator
 from .._codec import ResultCodec, ReturnOf
 from .._forks import reset_in_children
 from .._protocol import describe, exhausted
@@ -23,5 +23,6 @@ __all__ = [
     "describe",
     "entered_scope",
     "exhausted",
+    "refuse_generator",
     "reset_in_children",
 ]
