@@ -26,8 +26,17 @@ What it does with a tool call:
   model calls again. What LangGraph injects (``ToolRuntime``, ``InjectedState``,
   ``InjectedStore``, ``InjectedToolCallId``, callbacks, the run config) is no part of it; a
   value the model sends for such a parameter is left out, as ``ToolNode`` drops it. A tool with
-  a JSON-schema ``args_schema`` (no Python signature), or arguments its validation refuses, is
-  keyed by ``tool_call["args"]`` with the schema's defaults.
+  a JSON-schema ``args_schema`` (no Python signature) is keyed by ``tool_call["args"]`` with
+  the schema's defaults.
+- A call the tool refuses before its function runs never meets the ledger: arguments its
+  schema refuses (a required one left out, a value of the wrong type) are handed on to the tool,
+  which refuses them as without twiceshy (``ToolNode`` tells the model "Error invoking tool
+  ..."); arguments its schema accepts but its function does not take raise the ``TypeError``
+  Python raises for them, and LangChain handles it as its own. Nothing is claimed and nothing
+  runs, so the next well-formed call runs.
+- A recorded tool (KEYED, UNSAFE, or SAFE with ``record=True``) whose function is a generator
+  is refused with :class:`GeneratorTool` when it is first called: LangChain would show the model
+  the generator object, its body never run, and the ledger would record that as done.
 - The scope: inside a protected call (a sub-agent or subgraph run by a tool), the scope that
   call's nested runs inherit (:func:`twiceshy.inherited_scope`, or a ``twiceshy.run`` entered in
   the tool); else the LangGraph thread id (``config["configurable"]["thread_id"]``, else the
@@ -67,7 +76,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic.v1 import ValidationError as ValidationErrorV1
 
 try:
     from langchain.agents.middleware import AgentMiddleware, AgentState, ToolCallRequest
@@ -76,6 +86,7 @@ try:
     from langchain_core.tools.base import FILTERED_ARGS, _get_runnable_config_param
     from langgraph.errors import GraphBubbleUp, GraphInterrupt
     from langgraph.prebuilt import ToolNode
+    from langgraph.prebuilt.tool_node import _get_all_injected_args
     from langgraph.types import Command
 except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
     raise ImportError(
@@ -94,20 +105,23 @@ from .. import (
     UnkeyableArgument,
     UnkeyableType,
     canonical_json,
-    current_key,
     current_scope,
     inherited_scope,
 )
 from ._calls import (
+    ArgumentsDoNotFit,
     effect_at_of,
     factory_fields,
     for_the_model,
     received,
+    refuse_generator,
     with_schema_defaults,
 )
+from ._core import current_call
 
 __all__ = [
     "EffectNotDeclared",
+    "GeneratorTool",
     "ScopeFunction",
     "ScopeNotFound",
     "TwiceshyMiddleware",
@@ -135,6 +149,13 @@ class EffectNotDeclared(TwiceshyError, LookupError, GraphBubbleUp):
 
     Like :class:`ScopeNotFound` it ends the run instead of reaching the model: there is no
     silent default effect.
+    """
+
+
+class GeneratorTool(TwiceshyError, TypeError, GraphBubbleUp):
+    """A recorded tool's function is a generator: refused when the tool is first called, before
+    anything runs. Like :class:`ScopeNotFound` it ends the run: the tool must return its results
+    (a list), or collect them inside itself.
     """
 
 
@@ -349,7 +370,10 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             current tool-call id, or a ``ToolMessage`` with twiceshy's text for the model.
 
         Raises:
-            ScopeNotFound, EffectNotDeclared: before anything runs; they end the run.
+            ScopeNotFound, EffectNotDeclared, GeneratorTool: before anything runs; they end
+                the run.
+            TypeError: the arguments do not fit the tool's function (raised as its call would
+                raise it, before anything runs); LangChain handles it as a tool's error.
         """
         intent = self._intent(request, asynchronous=False)
         if intent is None:
@@ -399,8 +423,12 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     def _intent(self, request: ToolCallRequest, *, asynchronous: bool) -> _Intent | None:
         """The call's guard, the arguments its function receives, and its scope.
 
-        ``None`` for a name that is neither declared nor a tool: it reaches ``ToolNode``
-        unprotected, which answers it with its own "not a valid tool" message; nothing runs.
+        ``None`` for a call the tool or ``ToolNode`` refuses before anything runs: a name that
+        is neither declared nor a tool ("not a valid tool"), or arguments the tool's schema
+        refuses. It reaches them unprotected, and they answer it as without twiceshy.
+
+        Raises:
+            TypeError: the arguments do not fit the tool's function.
         """
         name = request.tool_call["name"]
         fn = _function_of(request.tool, asynchronous=asynchronous)
@@ -416,8 +444,15 @@ class TwiceshyMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
                     "or give default="
                 )
             guard = self._built_guard(name, effect, effect_at_of(fn))
+        if guard.recorded:
+            refuse_generator(fn, name, error=GeneratorTool)
         # A SAFE tool kept out of the ledger still names the scope of the runs inside it.
-        arguments = _received(request, fn)
+        try:
+            arguments = _received(request, fn)
+        except ArgumentsDoNotFit as exc:
+            raise exc.as_raised() from None  # as the function's call would raise it
+        if arguments is None:
+            return None
         if self._scope is not None:
             scope = self._scope(request)
             where = "the scope= function returned no scope"
@@ -452,7 +487,7 @@ def _nested_scope() -> str | None:
     share their inner ones.
     """
     scope = inherited_scope()
-    if scope is None and current_key() is not None:
+    if scope is None and current_call() is not None:  # (reading current_key() hands it on)
         scope = current_scope()
     return scope
 
@@ -474,22 +509,36 @@ def _function_of(tool: BaseTool | None, *, asynchronous: bool) -> Callable[..., 
     return tool._run
 
 
-def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[str, Any]:
-    """The arguments ``fn`` receives for this call, by name, after LangChain's parsing.
+def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[str, Any] | None:
+    """The arguments ``fn`` receives for this call, by name, after LangChain's parsing; ``None``
+    when the tool's own validation refuses what the model sent.
 
     The call goes through what ``ToolNode`` and the tool do before the function runs:
     LangGraph's injection (state, store, runtime), then the tool's own validation
     (``_to_args_and_kwargs``); the result is bound to the function's signature, the injected
-    parameters left out. Where that cannot be done (no function, a JSON schema, arguments the
-    validation refuses, a value of a type with no canonical form) the call is keyed by
-    ``tool_call["args"]`` with the schema's defaults: never left unprotected.
+    parameters left out. Where that cannot be done (no function, a JSON schema, an injection or
+    a validation that fails otherwise, a value of a type with no canonical form) the call is
+    keyed by ``tool_call["args"]`` with the schema's defaults: never left unprotected.
+
+    Raises:
+        ArgumentsDoNotFit: the validated arguments do not fit the function.
     """
     tool = request.tool
     if tool is None or fn is None or isinstance(tool.args_schema, dict):
         return _with_defaults(request)  # no signature to bind the JSON to
     try:
         call = _injector()._inject_tool_args(request.tool_call, request.runtime, tool)
+    except Exception:  # ToolNode answers this call with its own error; keyed as it was sent
+        return _with_defaults(request)
+    try:
         args, kwargs = tool._to_args_and_kwargs(dict(call["args"]), call.get("id"))
+    except (ValidationError, ValidationErrorV1):
+        if _injected_alike(tool, request.runtime):
+            return None  # ToolNode's own validation refuses it too: the function never runs
+        return _with_defaults(request)  # a refusal that may hang on what LangGraph injects
+    except Exception:  # the tool answers this call with its own error; keyed as it was sent
+        return _with_defaults(request)
+    try:
         injected = _injected_names(tool, fn)
         parameters = inspect.signature(fn).parameters
         for name in injected & set(parameters):
@@ -504,7 +553,9 @@ def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[s
             sent=request.tool_call.get("args") or {},
             made=factory_fields(tool.get_input_schema()),
         )
-    except Exception:  # the tool answers this call with its own error; keyed as it was sent
+    except ArgumentsDoNotFit:
+        raise  # Python refuses the call before the function runs: no intent to claim
+    except Exception:  # a signature that cannot be read: keyed as it was sent
         return _with_defaults(request)
     try:
         canonical_json(arguments)
@@ -513,6 +564,18 @@ def _received(request: ToolCallRequest, fn: Callable[..., Any] | None) -> dict[s
     except UnkeyableArgument:  # a value refused (a naive datetime...): the guard words it
         pass
     return arguments
+
+
+def _injected_alike(tool: BaseTool, runtime: object) -> bool:
+    """Whether ``ToolNode`` injects for ``tool`` what the injection here did, so that the tool's
+    validation gives its call the same verdict there.
+
+    It does but for graph state injected from a list state, which ``ToolNode`` maps by a
+    ``messages_key`` of its own that the middleware cannot read: the same method
+    (``_inject_tool_args``) with the same runtime and tool.
+    """
+    state = getattr(runtime, "state", None)
+    return not (isinstance(state, list) and _get_all_injected_args(tool).state)
 
 
 @functools.cache

@@ -19,6 +19,13 @@ How a call is handled:
   workflow ``Context`` parameter is no part of the intent, nor is the tool-call id, which is new
   every time the model calls again; a ``Field(default_factory=...)`` default the model left out
   is left out too. A tool's ``partial_params`` are arguments the function receives: part of it.
+- A call whose arguments do not fit the function (a required argument left out, one it has no
+  parameter for) never runs: it raises the ``TypeError`` Python raises for it, which the agent
+  answers as an error output the model reads, as without twiceshy. Nothing is claimed, so the
+  next well-formed call runs.
+- A KEYED or UNSAFE tool (or a SAFE one with ``record=True``) whose function is a generator is
+  refused by ``protect``: its effects would happen after its call was recorded. Return the
+  results (a list), or collect them inside the tool.
 - The scope is, in this order: ``scope(ctx)`` when ``protect`` has a ``scope=`` function (``ctx``
   is the running step's ``Context``, or ``None`` outside a workflow); else
   ``twiceshy.current_scope()``: a ``twiceshy.run(...)`` around the run, or, for a run started
@@ -59,7 +66,7 @@ from typing import Any, TypeAlias
 import pydantic
 
 from .. import Effect, Guard, Ledger, MissingScope, current_scope
-from ._calls import effect_at_of, for_the_model, received
+from ._calls import ArgumentsDoNotFit, effect_at_of, for_the_model, received, refuse_generator
 from ._core import ReturnOf
 
 __all__ = ["ScopeFunction", "protect", "protect_tool", "run_scope"]
@@ -113,8 +120,8 @@ def protect(
         The protected tools, in order, to give to the agent (``FunctionAgent(tools=...)``).
 
     Raises:
-        TypeError: a tool is not a ``FunctionTool`` or a function, or an effect is of no
-            known kind.
+        TypeError: a tool is not a ``FunctionTool`` or a function, an effect is of no known
+            kind, or a recorded tool's function is a generator.
         ValueError: a tool has no effect class, or ``effects`` names a tool not given.
     """
     if not isinstance(ledger, Ledger):
@@ -167,7 +174,8 @@ def protect_tool(
         scope: where the scope comes from (see :func:`protect`).
 
     Raises:
-        TypeError: ``tool`` is not a ``FunctionTool``, or ``guard`` not a guard.
+        TypeError: ``tool`` is not a ``FunctionTool``, ``guard`` not a guard, or the guard
+            keeps records and the tool's function is a generator.
         ValueError: the guard is named after another tool.
     """
     if not isinstance(tool, FunctionTool):
@@ -180,6 +188,9 @@ def protect_tool(
         )
     if scope is not None and not callable(scope):
         raise TypeError("scope= must be a function of the step's Context, or None")
+    if guard.recorded:
+        refuse_generator(tool.real_fn, guard.name)
+        refuse_generator(tool.async_fn, guard.name)
     return _ProtectedTool(tool, guard.with_stored_answers(), scope)
 
 
@@ -201,6 +212,8 @@ def _guard_for(ledger: Ledger, tool: FunctionTool, effect: Effect) -> Guard:
     replay as the function's return annotation, and a function that calls
     ``twiceshy.point_of_no_return()`` says where its effect starts."""
     fn = tool.real_fn
+    if effect is not Effect.SAFE:  # said before its return annotation is found unstorable
+        refuse_generator(fn, tool.metadata.get_name())
     returns = ReturnOf(fn) if effect is not Effect.SAFE else None
     return ledger.guard(
         tool.metadata.get_name(), effect=effect, returns=returns, effect_at=effect_at_of(fn)
@@ -271,6 +284,8 @@ class _ProtectedTool(FunctionTool):
         Raises:
             ValueError: the function takes a workflow ``Context`` and none was given (as
                 ``FunctionTool`` raises).
+            TypeError: the arguments do not fit the function (as its call would raise it);
+                nothing is claimed.
         """
         given = {**self.partial_params, **kwargs}
         context = self.ctx_param_name
@@ -282,9 +297,12 @@ class _ProtectedTool(FunctionTool):
         inject = (context,) if context is not None else ()
         try:
             arguments = received(self.real_fn, args, full, inject=inject, sent=sent)
-        except TypeError:
-            # Arguments that do not fit the signature: the function refuses them as it is
-            # called, and nothing runs; keyed by what was sent all the same.
+        except ArgumentsDoNotFit as exc:
+            # Python refuses the call before the function runs: no intent to claim.
+            raise exc.as_raised() from None
+        except (TypeError, ValueError):
+            # A signature that cannot be read: the function may still take the call, which
+            # is keyed by what was sent.
             arguments = dict(sent)
         shown = {name: value for name, value in full.items() if name != context}
         return _Call(tuple(args), full, arguments, shown)

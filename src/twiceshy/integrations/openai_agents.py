@@ -35,8 +35,14 @@ How a call is handled:
   run (``agents.UserError`` caused by them).
 - Other errors keep the SDK's behaviour (the tool's ``failure_error_function``): their retry is
   safe, because the ledger replays definite failures, and an error before the tool's
-  ``twiceshy.point_of_no_return()`` or a refusal of its arguments ran nothing. ``MissingScope``
-  and ``StoreError`` always fail the run: they are the application's to fix.
+  ``twiceshy.point_of_no_return()`` ran nothing. ``MissingScope`` and ``StoreError`` always fail
+  the run: they are the application's to fix.
+- A call whose arguments the SDK's validation refuses (a required one left out, a value of the
+  wrong type), or that do not fit the function, never runs: the SDK answers it with its own
+  text (the tool's ``failure_error_function``), and nothing is claimed, so the next well-formed
+  call runs.
+- A recorded tool (KEYED, UNSAFE, or SAFE with ``record=True``) whose function is a generator
+  is refused by ``protect``: its effects would happen after its call was recorded.
 - The model reads the same text on the first call and on every replay: the first caller gets
   the result as the ledger stores it (``Guard.with_stored_answers()``), and a result with no JSON
   form is kept as the text the SDK shows the model for it, ``str(result)``.
@@ -88,7 +94,14 @@ from ..errors import (
     StoreError,
     UnkeyableType,
 )
-from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
+from ._calls import (
+    ArgumentsDoNotFit,
+    effect_at_of,
+    for_the_model,
+    received,
+    refuse_generator,
+    with_schema_defaults,
+)
 from ._core import ResultCodec, entered_scope
 
 __all__ = ["ScopeSource", "protect", "protect_tool"]
@@ -155,9 +168,13 @@ class _Function:
         return self.prepare(raw_json_args, ctx.tool_name)
 
     def received(self, prepared: Any, raw_json_args: str) -> dict[str, Any] | None:
-        """The arguments the function receives by name, or ``None`` when they do not bind.
+        """The arguments the function receives by name, or ``None`` for a signature that
+        cannot be read (the model's JSON then names the intent).
 
         What a default factory made for what the model left out names nothing: left out.
+
+        Raises:
+            ArgumentsDoNotFit: the arguments do not fit the function, which would refuse them.
         """
         args = list(prepared.args)
         inject: tuple[str, ...] = ()
@@ -176,7 +193,9 @@ class _Function:
                 inject=inject,
                 sent=sent if isinstance(sent, dict) else None,
             )
-        except TypeError:  # pragma: no cover - the SDK made these arguments for this function
+        except ArgumentsDoNotFit:  # pragma: no cover - the SDK made them for this function
+            raise
+        except (TypeError, ValueError):  # pragma: no cover - the SDK read this signature
             return None
 
 
@@ -328,8 +347,9 @@ def protect(
         they were.
 
     Raises:
-        TypeError: a tool is not a ``FunctionTool`` (hosted tools cannot be protected here), or
-            an effect is neither an effect class nor a guard.
+        TypeError: a tool is not a ``FunctionTool`` (hosted tools cannot be protected here), an
+            effect is neither an effect class nor a guard, or a recorded tool's function is a
+            generator.
         ValueError: a tool has no effect class, or ``effects`` names a tool not in ``tools``.
     """
     effects = dict(effects or {})
@@ -386,12 +406,15 @@ def protect_tool(tool: FunctionTool, guard: Guard, *, scope: ScopeSource = None)
         The protected tool, to give to ``Agent(tools=[...])``.
 
     Raises:
-        TypeError: ``tool`` is not a ``FunctionTool`` or ``scope`` is of no known kind.
+        TypeError: ``tool`` is not a ``FunctionTool``, ``scope`` is of no known kind, or the
+            guard keeps records and the tool's function is a generator.
     """
     if not isinstance(tool, FunctionTool):
         raise TypeError(f"only a FunctionTool can be protected, not {type(tool).__name__}")
     if not isinstance(guard, Guard):
         raise TypeError("guard= must be a twiceshy.Guard, from ledger.guard(...)")
+    if guard.recorded:
+        refuse_generator(_function_behind(tool), guard.name)
     if scope is not None and not isinstance(scope, str) and not callable(scope):
         raise TypeError(
             "scope= must be a context field name, a function of the ToolContext, or None"
@@ -453,11 +476,14 @@ class _Invoker:
         if self.function is not None:
             try:
                 prepared = self.function.prepared(ctx, raw_json_args)
+                arguments = self.function.received(prepared, raw_json_args)
+            except ArgumentsDoNotFit as exc:  # pragma: no cover - see _Function.received
+                # The function would refuse the call: the SDK answers its TypeError.
+                return await _failed(outer, ctx, exc.as_raised(), self.answers_failures)
             except Exception as exc:
                 # The SDK's own validation refused the call: the body never runs, as without
-                # twiceshy, and the SDK answers.
+                # twiceshy, nothing is claimed, and the SDK answers.
                 return await _failed(outer, ctx, exc, self.answers_failures)
-            arguments = self.function.received(prepared, raw_json_args)
         raw: dict[str, Any] | None = None
         if arguments is None:
             try:

@@ -21,8 +21,18 @@ How a call is handled:
   is ``4900``, an omitted parameter its default), bound to the function's parameters by name.
   What Strands injects (``ToolContext``, ``agent``) is no part of it, nor is the ``toolUseId``,
   which is new every time the model calls again. A tool with no Python function behind it (an
-  MCP tool, a module tool) is keyed by the model's input with its schema's defaults. An input
-  the decorator refuses passes by the ledger: the tool refuses it the same way, and nothing runs.
+  MCP tool, a module tool) is keyed by the model's input with its schema's defaults.
+- A call the tool never runs never meets the ledger: an input the decorator refuses (a required
+  argument left out, a value of the wrong type) passes by it, and the tool refuses it the same
+  way; an input the decorator accepts but the function does not take (a positional-only
+  parameter, which Strands passes by name) gets the error result Strands makes of the
+  ``TypeError`` the call would raise, without calling it. Nothing is claimed, so the next
+  well-formed call runs.
+- A recorded tool (KEYED, UNSAFE, or SAFE with ``record=True``) whose function is a sync
+  generator is refused, when the plugin is attached to the agent or, for a tool added later,
+  when it is first called: Strands shows the model the generator object, its body never run.
+  An async generator tool is protected as any other: Strands streams it inside the call the
+  ledger wraps, so its body runs within the claim.
 - The scope is, in this order: ``scope(context)`` when the plugin has a ``scope=`` function (the
   ``ExecuteToolContext``: ``context.invocation_state``, ``context.agent``...); else
   ``twiceshy.current_scope()``: a ``twiceshy.run(...)`` around the call, or, for an agent run
@@ -68,7 +78,14 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from .. import Effect, Guard, Ledger, MissingScope, NotApplied, TwiceshyError, current_scope
-from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
+from ._calls import (
+    ArgumentsDoNotFit,
+    effect_at_of,
+    for_the_model,
+    received,
+    refuse_generator,
+    with_schema_defaults,
+)
 
 __all__ = ["EffectNotDeclared", "ScopeFunction", "TwiceshyPlugin", "session_scope"]
 
@@ -182,6 +199,7 @@ class TwiceshyPlugin(Plugin):
 
         Raises:
             ValueError: without ``default=``, a tool of the agent has no effect class.
+            TypeError: a recorded tool's function is a sync generator.
         """
         if self.default is None:
             names = set(agent.tool_registry.registry)
@@ -192,6 +210,9 @@ class TwiceshyPlugin(Plugin):
                     f"{', '.join(undeclared)}; name them in TwiceshyPlugin's effects "
                     "(twiceshy.SAFE, KEYED or UNSAFE) or give default="
                 )
+        for name, tool in agent.tool_registry.registry.items():
+            if self._recorded(name):
+                _refuse_generator(name, tool)
         agent.add_middleware(ExecuteToolStage, self.wrap_tool)
 
     async def wrap_tool(
@@ -208,6 +229,7 @@ class TwiceshyPlugin(Plugin):
         Raises:
             EffectNotDeclared, MissingScope: before anything runs; Strands answers the call
                 with an error result.
+            TypeError: a recorded tool's function is a sync generator; likewise.
         """
         tool = context.tool
         if tool is None:  # a name with no tool: Strands answers it, nothing runs
@@ -215,14 +237,22 @@ class TwiceshyPlugin(Plugin):
                 yield event
             return
         name = context.tool_use["name"]
+        use_id = str(context.tool_use.get("toolUseId"))
         guard = self._guard_for(name, tool)
-        arguments = _arguments(tool, context.tool_use.get("input"))
+        if guard.recorded:
+            _refuse_generator(name, tool)  # a tool added to the agent after the plugin
+        try:
+            arguments = _arguments(tool, context.tool_use.get("input"))
+        except ArgumentsDoNotFit as exc:
+            # Strands' own error result for the TypeError its call of the function would raise.
+            error = exc.as_raised()
+            yield ToolResultEvent(_error(use_id, f"Error: TypeError - {error}"), exception=error)
+            return
         if arguments is None:  # refused by the tool's own validation: nothing runs
             async for event in next_fn(context):
                 yield event
             return
         scope = self._scope_for(context, guard)
-        use_id = str(context.tool_use.get("toolUseId"))
         streamed: list[TypedEvent] = []
         live: list[ToolResultEvent] = []
 
@@ -302,6 +332,14 @@ class TwiceshyPlugin(Plugin):
             self._built[name, fn] = built
         return built
 
+    def _recorded(self, name: str) -> bool:
+        """Whether the tool ``name``'s calls are recorded (its guard's, or its effect class's)."""
+        guard = self.guards.get(name)
+        if guard is not None:
+            return guard.recorded
+        effect = self._classes.get(name, self.default)
+        return effect is not None and effect is not Effect.SAFE
+
     def _scope_for(self, context: ExecuteToolContext, guard: Guard) -> str | None:
         """The call's scope (see the module's documentation); ``MissingScope`` for a recorded
         tool with none (a SAFE tool needs none: where there is one, it names its nested runs')."""
@@ -326,6 +364,12 @@ def _function_of(tool: AgentTool) -> Callable[..., Any] | None:
     return None
 
 
+def _refuse_generator(name: str, tool: AgentTool) -> None:
+    """Refuse a recorded ``@tool`` whose function is a sync generator: Strands makes the
+    generator object its result, the body never run (an async generator it streams)."""
+    refuse_generator(_function_of(tool), name, consumed="async")
+
+
 def _arguments(tool: AgentTool, sent: object) -> dict[str, Any] | None:
     """The arguments the tool's function receives for the model's input, by name; ``None`` when
     the tool's own validation refuses the input (the tool refuses it alike: nothing runs).
@@ -333,6 +377,9 @@ def _arguments(tool: AgentTool, sent: object) -> dict[str, Any] | None:
     A ``@tool`` function gets the input as its decorator validates it, bound to its signature
     with the parameters Strands injects left out; any other tool is keyed by the input with its
     schema's defaults.
+
+    Raises:
+        ArgumentsDoNotFit: the validated input does not fit the function.
     """
     given = dict(sent) if isinstance(sent, Mapping) else {}
     fn = _function_of(tool)
@@ -352,8 +399,10 @@ def _arguments(tool: AgentTool, sent: object) -> dict[str, Any] | None:
         inject &= set(parameters)
         try:
             return received(fn, [], validated, inject=inject, sent=given)
-        except TypeError:
-            pass  # a signature the decorator binds its own way: keyed by the input
+        except ArgumentsDoNotFit:
+            raise  # the call would raise it before the function runs: no intent to claim
+        except (TypeError, ValueError):
+            pass  # a signature that cannot be read: keyed by the input
     spec = getattr(tool, "tool_spec", None) or {}
     schema = (spec.get("inputSchema") or {}).get("json") if isinstance(spec, Mapping) else None
     return with_schema_defaults(given, schema)
