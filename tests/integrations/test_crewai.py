@@ -323,6 +323,7 @@ class Refund(BaseTool):
     done: list[str] = Field(default_factory=list)
 
     def _run(self, charge_id: str, amount: int) -> str:
+        assert twiceshy.current_key() is not None  # the key the provider deduplicates by
         self.done.append(charge_id)
         if len(self.done) == 1:
             raise TimeoutError("read timed out")

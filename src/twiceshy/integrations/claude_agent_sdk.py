@@ -48,6 +48,13 @@ How a call is handled:
   and replayed like any other.
 - The model reads the same on the first call and on every replay: the result as the ledger
   stores it, rebuilt as the runner tool function's return annotation.
+- A call the tool never runs never meets the ledger: arguments the SDK's validation refuses (a
+  required one left out, a value of the wrong type) are refused before the handler or function
+  is called, as without twiceshy (the Agent SDK's "Input validation error", the runner's
+  validation error); arguments that do not fit a runner tool's function raise the ``TypeError``
+  Python raises for them, before anything is claimed. The next well-formed call runs.
+- A recorded tool (KEYED, UNSAFE, or SAFE with ``record=True``) whose handler or function is a
+  generator is refused by ``protect``: its effects would happen after its call was recorded.
 """
 
 from __future__ import annotations
@@ -74,7 +81,14 @@ import jsonschema  # type: ignore[import-untyped]  # a dependency of the Agent S
 import pydantic
 
 from .. import Effect, Guard, Ledger, MissingScope, ResultNotStorable, inherited_scope
-from ._calls import effect_at_of, for_the_model, received, with_schema_defaults
+from ._calls import (
+    ArgumentsDoNotFit,
+    effect_at_of,
+    for_the_model,
+    received,
+    refuse_generator,
+    with_schema_defaults,
+)
 from ._core import ReturnOf, entered_scope
 
 __all__ = ["SESSION_KEY", "ProtectedTools", "protect"]
@@ -158,7 +172,8 @@ def protect(
         The protected tools, with the hook that names an Agent SDK session's scope.
 
     Raises:
-        TypeError: a tool is of no supported kind, or an effect is of the wrong kind.
+        TypeError: a tool is of no supported kind, an effect is of the wrong kind, or a recorded
+            tool's handler or function is a generator.
         ValueError: a tool has no effect class, ``effects`` names a tool that is not given, or
             a tool name is not usable in keys.
         ResultNotStorable: a KEYED or UNSAFE runner tool's return annotation has no JSON form.
@@ -191,6 +206,8 @@ def protect(
             guard = declared
         elif isinstance(declared, Effect):
             fn = tool.handler if isinstance(tool, SdkMcpTool) else tool.func
+            if declared is not Effect.SAFE:  # said before its return annotation is read
+                refuse_generator(fn, tool.name)
             returns = (
                 ReturnOf(fn)
                 if declared is not Effect.SAFE and not isinstance(tool, SdkMcpTool)
@@ -204,6 +221,8 @@ def protect(
                 f"the effect of {tool.name!r} must be twiceshy.SAFE, KEYED, UNSAFE or a "
                 f"twiceshy.Guard, not {type(declared).__name__}"
             )
+        if guard.recorded:
+            refuse_generator(tool.handler if isinstance(tool, SdkMcpTool) else tool.func, tool.name)
         guard = guard.with_stored_answers()
         if isinstance(tool, SdkMcpTool):
             agent_tools.add(tool.name)
@@ -333,7 +352,11 @@ def _protect_runner_tool(tool: RunnerTool, guard: Guard) -> RunnerTool:
 
     def arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         sent = _SENT.get()
-        return received(fn, args, kwargs, sent=sent[1] if sent and sent[0] == owner else None)
+        try:
+            return received(fn, args, kwargs, sent=sent[1] if sent and sent[0] == owner else None)
+        except ArgumentsDoNotFit as exc:
+            # As the function's call would raise it, before anything is claimed.
+            raise exc.as_raised() from None
 
     def answer(error: Exception, named: Mapping[str, Any], scope: str | None) -> Any:
         if isinstance(error, MissingScope):

@@ -22,6 +22,13 @@ How a call is handled:
   ``int`` is ``2``, an omitted parameter its default) and hands the function the result, which
   names the intent. A value a ``default_factory`` made for an argument the model left out (a
   fresh request id) is left out of it.
+- A call the function never runs never meets the ledger: arguments the ``args_schema`` refuses
+  (a required one left out) are refused by CrewAI before the function is called, as without
+  twiceshy; arguments the schema lets through but the function does not take raise the
+  ``TypeError`` Python raises for them, before anything is claimed, and CrewAI answers it as a
+  tool's error. The next well-formed call runs.
+- A recorded tool (KEYED, UNSAFE, or SAFE with ``record=True``) whose function is a generator
+  is refused by ``protect``: its effects would happen after its call was recorded.
 - The scope is, in this order: an enclosing ``twiceshy.run(...)`` (an id the application keeps
   across restarts); the scope a protected call passes on to the runs started inside it (a crew
   a tool kicks off); a guard's own ``scope=``. CrewAI's own ids do not survive a restart: a
@@ -69,7 +76,14 @@ from typing import Any, cast
 from pydantic import PrivateAttr
 
 from .. import Effect, Guard, Ledger, ResultNotStorable
-from ._calls import effect_at_of, factory_fields, for_the_model, received
+from ._calls import (
+    ArgumentsDoNotFit,
+    effect_at_of,
+    factory_fields,
+    for_the_model,
+    received,
+    refuse_generator,
+)
 from ._core import ResultCodec, ReturnOf
 
 __all__ = ["protect", "protect_tool"]
@@ -114,7 +128,8 @@ def protect(
         The protected tools, in order, to give to ``Agent(tools=[...])``.
 
     Raises:
-        TypeError: a tool is not a CrewAI ``BaseTool``, or an effect is of the wrong kind.
+        TypeError: a tool is not a CrewAI ``BaseTool``, an effect is of the wrong kind, or a
+            recorded tool's function is a generator.
         ValueError: a tool has no effect class, ``effects`` names a tool that is not given, or
             a tool name is not usable in keys.
         ResultNotStorable: a KEYED or UNSAFE tool's return annotation has no JSON form.
@@ -168,12 +183,15 @@ def protect_tool(tool: BaseTool, guard: Guard) -> BaseTool:
     failure and replayed.
 
     Raises:
-        TypeError: ``tool`` is not a CrewAI ``BaseTool`` or ``guard`` is not a guard.
+        TypeError: ``tool`` is not a CrewAI ``BaseTool``, ``guard`` is not a guard, or the guard
+            keeps records and the tool's function is a generator.
     """
     if not isinstance(tool, BaseTool):
         raise TypeError(f"only a CrewAI BaseTool can be protected, not {type(tool).__name__}")
     if not isinstance(guard, Guard):
         raise TypeError("guard= must be a twiceshy.Guard, from ledger.guard(...)")
+    if guard.recorded:
+        _refuse_generator(tool)
     guard = guard.with_errors(definite=(_Reported,)).with_stored_answers()
     copied = copy.copy(tool)
     # A class of its own that captures the model's arguments and, for a BaseTool subclass,
@@ -312,10 +330,24 @@ class _Call:
 
     def arguments(self, owner: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """The arguments the function receives, by name; a factory's value for what the model
-        left out is left out (when the model's arguments for this call are known)."""
+        left out is left out (when the model's arguments for this call are known).
+
+        Raises:
+            TypeError: the arguments do not fit the function: raised as its call would raise
+                it, before anything is claimed.
+        """
         sent = _SENT.get()
         given = sent[1] if sent is not None and sent[0] == owner else None
-        return received(self.fn, args, kwargs, sent=given, made=self.made)
+        try:
+            return received(self.fn, args, kwargs, sent=given, made=self.made)
+        except ArgumentsDoNotFit as exc:
+            raise exc.as_raised() from None
+        except (TypeError, ValueError):
+            if args:  # positional values with no names to key them by
+                raise
+            # A signature that cannot be read: the function may still take the call, which is
+            # keyed by what it is handed.
+            return dict(kwargs)
 
     def kept(self, value: Any) -> Any:
         """The result as the ledger is to keep it: a ``ToolFailure`` as a certain failure, a
@@ -443,8 +475,18 @@ def _function_of(tool: BaseTool) -> Callable[..., Any]:
     return type(tool)._run
 
 
+def _refuse_generator(tool: BaseTool) -> None:
+    """Refuse a tool whose function (a ``@tool``'s, or a subclass's ``_run`` / ``_arun``) is a
+    generator: CrewAI takes the generator for its result, the body not yet run."""
+    refuse_generator(_function_of(tool), tool.name)
+    if not isinstance(tool, Tool) and type(tool)._arun is not BaseTool._arun:
+        refuse_generator(type(tool)._arun, tool.name)
+
+
 def _guard_for(ledger: Ledger, tool: BaseTool, effect: Effect) -> Guard:
     """The guard ``protect`` builds for a tool declared by its effect class alone."""
+    if effect is not Effect.SAFE:  # said before its return annotation is found unstorable
+        _refuse_generator(tool)
     fn = _function_of(tool)
     effect_at = effect_at_of(fn)
     returns = ReturnOf(fn) if effect is not Effect.SAFE else None

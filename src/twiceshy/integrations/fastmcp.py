@@ -34,8 +34,14 @@ The rules are those of :mod:`twiceshy.integrations.mcp`:
   middleware that retries) *before* this one, so every retry passes through the ledger.
 
 A tool's exception reaches the guard unwrapped from FastMCP's ``ToolError`` so that ``definite=``
-and ``not_applied=`` of a declared guard match the tool's own types; FastMCP's ``ValidationError``
-(arguments refused before the tool ran) and an unknown tool release the claim.
+and ``not_applied=`` of a declared guard match the tool's own types. A call that leaves out a
+required argument is never claimed: FastMCP refuses it whatever its release and settings, so it
+is passed on to FastMCP, which answers it as without twiceshy. FastMCP's other refusals of the
+arguments (``ValidationError``, refused before the tool ran), whose verdict can hang on the
+release and on ``strict_input_validation``, and an unknown tool release the claim.
+
+A generator tool, sync or async, runs within its claim: FastMCP consumes the generator inside
+the tool's run, which the ledger wraps.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, cast, get_type_hints
 
 from pydantic import TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import to_json
 
 try:
@@ -75,6 +82,7 @@ from twiceshy import Guard, Ledger
 from twiceshy.errors import InProgress, NotApplied, OutcomeUnknown, TwiceshyError
 from twiceshy.integrations._calls import (
     ANSWERED,
+    ArgumentsDoNotFit,
     for_the_model,
     keyed_exhausted,
     received,
@@ -267,22 +275,37 @@ def _validated(adapter: TypeAdapter[Any], arguments: dict[str, Any], strict: boo
     return adapter.validate_json(to_json(arguments), strict=True)
 
 
+_LEFT_OUT: Final = frozenset({"missing_argument", "missing"})
+"""pydantic's errors for a required argument or field left out: refused in every mode."""
+
+
 def _intent(
     fn: Callable[..., Any] | None, arguments: Mapping[str, Any], schema: object, strict: bool
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[dict[str, Any] | None, bool]:
     """The arguments that name the intent: those the tool's function receives (docs/design.md §2),
     else the JSON arguments with the schema's defaults for omitted ones; and whether the
     arguments were validated here as FastMCP validates them (then a ``ValidationError`` from
     the call is the tool's own, raised by its body).
+
+    ``None`` for a call that leaves out a required argument: FastMCP refuses it before the tool
+    runs, whatever its release and its strictness, so it needs no claim.
+
+    Raises:
+        ArgumentsDoNotFit: the validated arguments do not fit the function.
     """
     if fn is not None:
         try:
             handed, adapter = _validator(fn)
             args, kwargs = _validated(adapter, dict(arguments), strict)
             return received(handed, args, kwargs, sent=arguments), True
-        except Exception:
-            # FastMCP refuses these arguments (its own refusal then releases the claim), or they
-            # cannot be read here: the JSON names the intent; the ledger still holds the call.
+        except PydanticValidationError as exc:
+            if all(error["type"] in _LEFT_OUT for error in exc.errors()):
+                return None, False
+            # Another refusal may hang on how this release validates (lax, strict, JSON):
+            # FastMCP's own then releases the claim. The JSON names the intent.
+        except ArgumentsDoNotFit:  # pragma: no cover - pydantic called the stand-in with them
+            raise
+        except Exception:  # pragma: no cover - cannot be read here: the JSON names the intent
             pass
     return with_schema_defaults(arguments, schema), False
 
@@ -384,7 +407,14 @@ class TwiceshyMiddleware(Middleware):
             return _error_result(guard)
         fctx = context.fastmcp_context
         strict = fctx is not None and bool(fctx.fastmcp.strict_input_validation)
-        intent, validated = _intent(_function_of(tool), arguments, schema, strict)
+        try:
+            intent, validated = _intent(_function_of(tool), arguments, schema, strict)
+        except ArgumentsDoNotFit as exc:  # pragma: no cover - see _intent
+            # FastMCP's own answer to the TypeError the function's call would raise.
+            masked = f"Error calling tool {name!r}"
+            raise ToolError(masked if self._masks(context) else f"{masked}: {exc}") from exc
+        if intent is None:
+            return await call_next(context)  # FastMCP refuses it: the tool never runs
         produced: list[tuple[ToolResult, dict[str, Any]]] = []
         raised: list[tuple[Exception, Exception]] = []  # (what the guard read, what FastMCP raised)
 

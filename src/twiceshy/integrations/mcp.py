@@ -34,8 +34,15 @@ every other request passes untouched. Install with ``pip install 'twiceshy[mcp]'
 
 The SDK turns a tool's exception into an ``isError`` result before any middleware sees it, so an
 ``isError`` answer counts as an ambiguous failure (:class:`ToolFailed`): the tool may have taken
-effect, unless it had not yet called ``point_of_no_return()``. Arguments the server's own
-validator refuses never reach the tool and are passed through without a claim.
+effect, unless it had not yet called ``point_of_no_return()``. A call the tool never runs is
+never claimed: arguments the server's own validator refuses (a required one left out, a value
+of the wrong type) are passed on to the server, which refuses them as without twiceshy; arguments
+the validator accepts but the function does not take (a positional-only parameter, which the
+server passes by name) are answered with the ``isError`` result the server makes of the
+``TypeError`` the call would raise, without calling it. A recorded tool whose function is an
+async generator is refused the same way (the server would show the client the generator object,
+its body never run); a sync generator is consumed by the server inside the call the ledger
+wraps, and is guarded as any tool.
 """
 
 from __future__ import annotations
@@ -69,9 +76,11 @@ from twiceshy.errors import (
 )
 from twiceshy.integrations._calls import (
     ANSWERED,
+    ArgumentsDoNotFit,
     effect_at_of,
     for_the_model,
     received,
+    refuse_generator,
     with_schema_defaults,
 )
 
@@ -462,6 +471,9 @@ def _intent(tool: Any, arguments: Mapping[str, Any], schema: object) -> dict[str
         ``None`` when the server will refuse the call before its tool runs (an unknown tool,
         arguments its validator refuses): ``MCPServer`` answers both as ``isError``, which the
         middleware could not tell from a failure of the tool itself.
+
+    Raises:
+        ArgumentsDoNotFit: the validated arguments do not fit the function.
     """
     if tool is None:
         return None
@@ -485,6 +497,8 @@ def _intent(tool: Any, arguments: Mapping[str, Any], schema: object) -> dict[str
     given = {**validated, **dict.fromkeys(inject)}
     try:
         return received(fn, (), given, inject=inject, sent=arguments)
+    except ArgumentsDoNotFit:
+        raise  # the call would raise it before the function runs: no intent to claim
     except (TypeError, ValueError):  # a signature the binder cannot read: the JSON it got
         return raw
 
@@ -567,10 +581,22 @@ class TwiceshyMiddleware:
         guard, schema, registered = await self._guard_for(name)
         if guard is None:
             return await call_next(ctx)  # the server refuses it: the tool never runs
-        if registered is _NO_LOOKUP:
-            intent: dict[str, Any] | None = with_schema_defaults(arguments, schema)
-        else:
-            intent = _intent(registered, arguments, schema)
+        if isinstance(guard, Guard) and guard.recorded:
+            fn = getattr(registered, "fn", None)
+            try:
+                # An async generator's body would never run: the server shows its object.
+                refuse_generator(fn if callable(fn) else None, name, consumed="sync")
+            except TypeError as exc:
+                return _error_result(ctx, f"{exc}. The call did not run.")
+        try:
+            if registered is _NO_LOOKUP:
+                intent: dict[str, Any] | None = with_schema_defaults(arguments, schema)
+            else:
+                intent = _intent(registered, arguments, schema)
+        except ArgumentsDoNotFit as exc:
+            # The server's own answer to the TypeError its call of the function would raise.
+            log.info("twiceshy: tools/call %r does not fit the function: %s", name, exc)
+            return _error_result(ctx, f"Error executing tool {name}: {exc}")
         if intent is None:
             return await call_next(ctx)  # the server refuses it: the tool never runs
         if isinstance(guard, str):
