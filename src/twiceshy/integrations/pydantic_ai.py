@@ -49,6 +49,19 @@ What it does with a tool call (``AbstractCapability.wrap_tool_execute``):
   Pydantic AI's own ``timeout=`` (which it turns into a retry request), a ``ModelRetry`` raised
   while handling an error - may have taken effect: a KEYED tool is run again with the same key,
   an UNSAFE one is not run again.
+- A KEYED or UNSAFE tool whose function is a generator is refused with ``TypeError`` before
+  anything runs: when the agent is built, at the start of a run (a tool added with
+  ``@agent.tool`` later), and at its call (a toolset given to one run).
+- Never in a durable engine's workflow code. Pydantic AI's durable agents - the
+  ``DBOSDurability``, ``PrefectDurability`` and ``TemporalDurability`` capabilities, and the
+  deprecated ``DBOSAgent``, ``PrefectAgent`` and ``TemporalAgent`` wrappers - run
+  ``wrap_tool_execute`` in the workflow's (or flow's) own code, outside the unit that runs the
+  tool: :class:`DurableAgentRefused` is raised before anything runs, when the agent is built or
+  wrapped, when the capability is given to one of its runs, and when such a run starts. A KEYED
+  or UNSAFE tool called in a DBOS workflow's, Prefect flow's or Temporal workflow's own code by
+  any other agent is refused too, unless its function protects itself
+  (``twiceshy.integrations.dbos.step``, ``prefect.protect``, ``temporal.protect``): that one runs
+  as it is, its own protection answering, and so does a SAFE tool; the ledger is not asked.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -93,7 +107,7 @@ try:
         UserContent,
     )
     from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
-    from pydantic_ai.toolsets.function import FunctionToolsetTool
+    from pydantic_ai.toolsets.function import FunctionToolset, FunctionToolsetTool
 except ImportError as exc:  # pragma: no cover - shown by a test in a process without it
     raise ImportError(
         "twiceshy.integrations.pydantic_ai needs Pydantic AI 2.16 or later: "
@@ -105,12 +119,19 @@ try:  # pydantic-ai-slim 2.62 added it; before, no tool result holds such a part
     _STRUCTURED: tuple[type, ...] = (StructuredContent,)
 except ImportError:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
     _STRUCTURED = ()
-try:  # durable agents as capabilities (DBOSDurability, PrefectDurability, TemporalDurability)
+# Durable agents as capabilities (DBOSDurability, PrefectDurability, TemporalDurability): their
+# base class, which Pydantic AI 2.16 has but does not export from pydantic_ai.durable_exec yet.
+try:
     from pydantic_ai.durable_exec import BaseDurabilityCapability
 
     _DURABILITY: type | None = BaseDurabilityCapability
-except ImportError:  # pragma: no cover - releases without them
-    _DURABILITY = None
+except ImportError:  # pragma: no cover - run by .ci/frameworks.sh on the oldest release
+    try:
+        from pydantic_ai.durable_exec._base import BaseDurabilityCapability as _Base
+
+        _DURABILITY = _Base
+    except ImportError:
+        _DURABILITY = None
 
 from twiceshy import (
     SAFE,
@@ -123,15 +144,17 @@ from twiceshy import (
     current_scope,
 )
 from twiceshy.integrations._calls import (
+    ArgumentsDoNotFit,
     effect_at_of,
     for_the_model,
     received,
     with_schema_defaults,
 )
-from twiceshy.integrations._core import ReturnOf
+from twiceshy.integrations._core import ReturnOf, refuse_generator
 
 __all__ = [
     "METADATA_KEY",
+    "DurableAgentRefused",
     "EffectNotDeclared",
     "ScopeFunction",
     "TwiceshyCapability",
@@ -153,6 +176,21 @@ class EffectNotDeclared(TwiceshyError, UserError):
 
     Raised before the tool runs, when neither ``effects``, the tool's metadata nor ``default=``
     names its class: there is no silent default. A Pydantic AI ``UserError``: it ends the run.
+    """
+
+
+class DurableAgentRefused(TwiceshyError, UserError):
+    """TwiceshyCapability was given an agent whose tool calls a durable engine runs; nothing ran.
+
+    Pydantic AI's durable agents (the ``DBOSDurability``, ``PrefectDurability`` and
+    ``TemporalDurability`` capabilities, and the deprecated ``DBOSAgent``, ``PrefectAgent`` and
+    ``TemporalAgent`` wrappers) run ``wrap_tool_execute`` in the workflow's (or flow's) own code,
+    never in the step, task or activity of a tool: there the ledger would be asked again on every
+    replay or recovery, and the engine's retries of the tool would never reach it. Protect
+    the tool function instead, inside its unit (``twiceshy.integrations.dbos.step``,
+    ``prefect.protect``, ``temporal.protect``). Also raised for a tool of any other agent called in
+    a workflow's own code whose function twiceshy does not protect. A Pydantic AI ``UserError``: it
+    ends the run, and fails a Temporal workflow (Pydantic AI's plugin) rather than its task.
     """
 
 
@@ -265,15 +303,96 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
         """Not loadable from an agent spec: it needs a live :class:`twiceshy.Ledger`."""
         return None
 
+    @property
+    def _durable_unsupported_reason(self) -> str | None:  # type: ignore[override]
+        """Refuse to be wrapped by ``DBOSAgent``, ``PrefectAgent`` or ``TemporalAgent``.
+
+        Pydantic AI's deprecated wrappers read this of every capability of the agent they wrap,
+        and refuse the agent when it names a reason (2.78 does; 2.16 reads nothing, and the run
+        refuses instead, in :meth:`for_run`). The answer here is the refusal itself, raised
+        with twiceshy's words, so the error names what to do.
+
+        Raises:
+            DurableAgentRefused: always.
+        """
+        raise DurableAgentRefused(
+            "TwiceshyCapability cannot protect the tools of an agent wrapped by DBOSAgent, "
+            "PrefectAgent or TemporalAgent: the wrapper runs wrap_tool_execute, where the "
+            "capability sits, in the workflow's (or flow's) own code, never in a step, task or "
+            "activity, so the ledger would be asked again on every replay or recovery and the "
+            "engine's retries of the tool would never reach it. Leave "
+            "TwiceshyCapability out and protect each tool function: under DBOSAgent, "
+            f"{_DURABLE_PLACEMENT['DBOS']}; under PrefectAgent, {_DURABLE_PLACEMENT['Prefect']}; "
+            f"under TemporalAgent, {_DURABLE_PLACEMENT['Temporal']} (see twiceshy's "
+            "docs/durable_engines.md); nothing ran"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse to be pickled: the capability holds a live ledger.
+
+        An engine pickles what it carries into a workflow (DBOS records ``DBOSAgent.run``'s
+        arguments, ``capabilities=`` among them, as the workflow's inputs); the capability would
+        then run in the workflow's own code, where it must not.
+
+        Raises:
+            DurableAgentRefused: always.
+        """
+        raise DurableAgentRefused(
+            "TwiceshyCapability cannot be pickled: it holds a live twiceshy.Ledger. An engine that "
+            "pickles it carries it into a workflow's own code (DBOS records the arguments of "
+            "DBOSAgent.run, capabilities= among them, as the workflow's inputs), where it cannot "
+            "protect a tool: leave it out of a durable agent's runs and protect each tool "
+            "function inside the unit that runs it (twiceshy.integrations.dbos.step, "
+            "prefect.protect, temporal.protect; see twiceshy's docs/durable_engines.md); nothing "
+            "ran"
+        )
+
+    def __copy__(self) -> TwiceshyCapability[AgentDepsT]:
+        """A shallow copy, sharing the ledger and the guards (pickling is refused)."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
     def for_agent(self, agent: Any) -> AbstractCapability[AgentDepsT]:
         """Refuse an agent made durable (``DBOSDurability``, ``PrefectDurability``,
         ``TemporalDurability``), when it is built or when the capability is given to a run:
-        there the tool function is protected instead.
+        there the tool function is protected instead. Refuse a recorded tool whose function is a
+        generator among the agent's tools.
 
         Raises:
-            UserError: the agent carries a durability capability.
+            DurableAgentRefused: the agent carries a durability capability.
+            TypeError: a KEYED or UNSAFE tool of the agent is a generator function.
         """
         _refuse_durable(getattr(agent, "root_capability", None))
+        self._refuse_generators(agent)
+        return self
+
+    async def for_run(self, ctx: RunContext[AgentDepsT]) -> AbstractCapability[AgentDepsT]:
+        """Refuse, before anything runs, a run that a durable wrapper (``DBOSAgent``,
+        ``PrefectAgent``, ``TemporalAgent``) makes in its workflow, and a recorded generator
+        tool added since the agent was built.
+
+        A wrapper is refused when it is made only on releases that ask each capability then, and
+        a capability given to one run, or made per run, is never seen there: the run's model
+        (the engine's ``DBOSModel``, ``PrefectModel``, ``TemporalModel``) tells it apart.
+
+        Raises:
+            DurableAgentRefused: the run is a durable wrapper's, in its workflow's own code.
+            TypeError: a KEYED or UNSAFE tool of the agent is a generator function.
+        """
+        engine = _workflow_code()
+        if engine is not None and _durable_engine_of(ctx.model) is not None:
+            wrapper = f"{engine}Agent" if engine in _DURABLE_PLACEMENT else "a durable wrapper"
+            raise DurableAgentRefused(
+                f"TwiceshyCapability cannot protect the tools of an agent run by {wrapper}, in "
+                f"the {_CONTAINER.get(engine, 'workflow')}'s own code: wrap_tool_execute runs "
+                f"there, never in {_a(_UNIT.get(engine, 'durable unit'))}, so the ledger would be "
+                "asked again on every replay or recovery and the engine's retries of the tool "
+                "would never reach it. Leave TwiceshyCapability out of the "
+                f"agent and of its runs, and {_advice(engine)} (see twiceshy's "
+                "docs/durable_engines.md); nothing ran"
+            )
+        self._refuse_generators(ctx.agent)
         return self
 
     async def wrap_tool_execute(
@@ -303,9 +422,29 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
                 own certain failure, replayed.
             EffectNotDeclared, MissingScope, ResultNotStorable: before anything runs; they end
                 the run.
+            TypeError: a KEYED or UNSAFE tool's function is a generator; it did not run.
+            DurableAgentRefused: a KEYED or UNSAFE tool was called in a durable engine's
+                workflow code, and twiceshy does not protect its function; it did not run.
         """
         schema = _tool_schema(ctx, tool_def.name)
+        function = _function_of(schema)
+        if function is not None and self._records(tool_def.name, tool_def.metadata):
+            refuse_generator(function, tool_def.name)  # before its annotation is read
         guard = self._guard_for(tool_def, schema)
+        engine = _workflow_code()
+        if engine is not None:
+            # In workflow code the ledger is never asked: a tool whose function protects itself
+            # answers inside its unit, a SAFE one has nothing to keep; any other is refused.
+            if guard.recorded and not _protects_itself(function):
+                raise DurableAgentRefused(
+                    f"the tool {tool_def.name!r} was called in {engine} "
+                    f"{_CONTAINER.get(engine, 'workflow')} code, where TwiceshyCapability must "
+                    "not ask the ledger (a replay or recovery would ask it again, and the "
+                    "engine's retries of the tool would never reach it), and twiceshy does not "
+                    f"protect its function: {_advice(engine)} (see twiceshy's "
+                    "docs/durable_engines.md); it did not run"
+                )
+            return await handler(args)
         arguments = _arguments(ctx, call, tool_def, args, schema)
         # A SAFE tool kept out of the ledger needs no scope; where there is one, it names the
         # scope of the runs started inside the tool (a delegation declared SAFE).
@@ -375,6 +514,38 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
             guard = typed[name, effect] = _guard(self.ledger, name, effect, function)
         return guard
 
+    def _records(self, name: str, metadata: Mapping[str, Any] | None) -> bool:
+        """Whether calls of the tool ``name`` are recorded, as far as its declaration says
+        before any call (a class its metadata cannot name is left to the call to refuse)."""
+        effect = self._effects.get(name)
+        if effect is None:
+            guard = self.guards.get(name)
+            if guard is not None:
+                return guard.recorded
+            value = (metadata or {}).get(METADATA_KEY)
+            if isinstance(value, Effect):
+                effect = value
+            elif isinstance(value, str) and value.lower() in {e.value for e in Effect}:
+                effect = Effect(value.lower())
+            else:
+                effect = self.default
+        return effect is not None and effect is not SAFE
+
+    def _refuse_generators(self, agent: object) -> None:
+        """Refuse a recorded tool whose function is a generator among the agent's function
+        tools (a toolset that renames its tools is left to the call, which sees the name).
+
+        Raises:
+            TypeError: one is.
+        """
+        for toolset in getattr(agent, "toolsets", None) or ():
+            if not isinstance(toolset, FunctionToolset):
+                continue
+            for name, tool in toolset.tools.items():
+                function = getattr(tool, "function", None)
+                if callable(function) and self._records(name, tool.metadata):
+                    refuse_generator(function, name)
+
     def _scope_for(
         self, ctx: RunContext[AgentDepsT], guard: Guard, *, required: bool = True
     ) -> str | None:
@@ -401,11 +572,78 @@ class TwiceshyCapability(AbstractCapability[AgentDepsT]):
 _DURABLE_PLACEMENT = {
     "DBOS": "make the tool function a twiceshy step: @twiceshy.integrations.dbos.step(ledger, "
     "effect=...) under the tool decorator",
-    "Prefect": "protect the tool function, which PrefectDurability runs in a task: "
-    "@twiceshy.integrations.prefect.protect(ledger, effect=...) under the tool decorator",
-    "Temporal": "protect the tool function, which TemporalDurability runs in an activity: "
-    "@twiceshy.integrations.temporal.protect(ledger, effect=...) under the tool decorator",
+    "Prefect": "protect the tool function inside the task that runs it: "
+    "@twiceshy.integrations.prefect.protect(ledger, effect=...) under the tool decorator "
+    "(PrefectDurability runs each tool call in a task)",
+    "Temporal": "protect the tool function inside the activity that runs it: "
+    "@twiceshy.integrations.temporal.protect(ledger, effect=...) under the tool decorator "
+    "(TemporalDurability runs each tool call in an activity)",
 }
+# The engines' words for their workflows and for the units that run a tool.
+_CONTAINER = {"DBOS": "workflow", "Prefect": "flow", "Temporal": "workflow"}
+_UNIT = {"DBOS": "step", "Prefect": "task", "Temporal": "activity"}
+# Pydantic AI's durable models by the package they come from (pydantic_ai.durable_exec.dbos...).
+_ENGINES = {"dbos": "DBOS", "prefect": "Prefect", "temporal": "Temporal", "hatchet": "Hatchet"}
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article."""
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _advice(engine: str) -> str:
+    """How to protect a tool under ``engine``."""
+    return _DURABLE_PLACEMENT.get(
+        engine, "protect the tool function itself, inside the unit that runs it"
+    )
+
+
+def _workflow_code() -> str | None:
+    """The durable engine whose workflow (or flow) code is running - not one of its units - or
+    ``None``: a DBOS workflow outside its steps, a Prefect flow outside its tasks, a Temporal
+    workflow. Read without importing the engines: only a process that imported one can be in
+    its workflow."""
+    temporal = sys.modules.get("temporalio.workflow")
+    in_workflow = getattr(temporal, "in_workflow", None)
+    if callable(in_workflow) and in_workflow():
+        return "Temporal"
+    dbos = getattr(sys.modules.get("dbos"), "DBOS", None)
+    if dbos is not None and dbos.workflow_id is not None and dbos.step_id is None:
+        return "DBOS"
+    prefect = sys.modules.get("prefect.context")
+    if (
+        prefect is not None
+        and prefect.FlowRunContext.get() is not None
+        and prefect.TaskRunContext.get() is None
+    ):
+        return "Prefect"
+    return None
+
+
+def _durable_engine_of(model: object) -> str | None:
+    """The engine of the durable model a run goes through (``DBOSModel``, ``PrefectModel``,
+    ``TemporalModel``: what Pydantic AI's durable agents run with), or ``None``; wrapping
+    models (instrumentation, fallbacks) are looked through."""
+    for _ in range(16):  # a chain of wrapping models is short; a cycle must not hang the run
+        if model is None:
+            return None
+        module = type(model).__module__.split(".")
+        if module[:2] == ["pydantic_ai", "durable_exec"] and len(module) > 2:
+            return _ENGINES.get(module[2], module[2])
+        model = getattr(model, "wrapped", None)
+    return None
+
+
+def _protects_itself(function: Callable[..., Any] | None) -> bool:
+    """Whether twiceshy protects the tool function itself (``ledger.tool`` and the engine
+    adapters built on it mark what they return with its guard; a Prefect task keeps it)."""
+    for _ in range(16):  # decorators stack a few levels deep at most
+        if function is None:
+            return False
+        if isinstance(getattr(function, "twiceshy", None), Guard):
+            return True
+        function = getattr(function, "__wrapped__", None) or getattr(function, "fn", None)
+    return False
 
 
 def _refuse_durable(root: object) -> None:
@@ -418,8 +656,8 @@ def _refuse_durable(root: object) -> None:
     Temporal refuse), and the engine's own retries of the unit would never reach it.
 
     Raises:
-        UserError: ``root`` (a capability tree) holds a durability capability; the message
-            says where to protect the tool instead.
+        DurableAgentRefused: ``root`` (a capability tree) holds a durability capability; the
+            message says where to protect the tool instead.
     """
     if _DURABILITY is None or not isinstance(root, AbstractCapability):
         return
@@ -428,19 +666,18 @@ def _refuse_durable(root: object) -> None:
     for capability in found:
         if not isinstance(capability, _DURABILITY):
             continue
-        spec = getattr(type(capability), "engine_spec", None)
-        engine = getattr(spec, "engine_name", type(capability).__name__)
-        container = getattr(spec, "durable_container_noun", "workflow")
-        unit = getattr(spec, "durable_unit_noun", "durable unit")
-        advice = _DURABLE_PLACEMENT.get(
-            engine, "protect the tool function itself, inside the unit that runs it"
-        )
-        raise UserError(
+        # Named by its engine's spec; before there was one (2.16), by the class itself.
+        named = getattr(type(capability), "engine_spec", None) or type(capability)
+        engine = getattr(named, "engine_name", None) or type(capability).__name__
+        container = _CONTAINER.get(engine, "workflow")
+        unit = _UNIT.get(engine, "durable unit")
+        raise DurableAgentRefused(
             f"TwiceshyCapability cannot protect the tools of an agent made durable with "
             f"{type(capability).__name__}: under {engine}, wrap_tool_execute runs in the "
-            f"{container}'s own code, never in a {unit}, so the ledger would be asked again "
-            f"on every replay and {engine}'s retries of a {unit} would never reach it. Leave "
-            f"TwiceshyCapability out and {advice} (see twiceshy's docs/durable_engines.md)"
+            f"{container}'s own code, never in {_a(unit)}, so the ledger would be asked again "
+            f"on every replay and {engine}'s retries of {_a(unit)} would never reach it. Leave "
+            f"TwiceshyCapability out and {_advice(engine)} (see twiceshy's "
+            "docs/durable_engines.md)"
         )
 
 
@@ -526,6 +763,8 @@ def _arguments(
                 positional.extend(named.pop(rest))
             inject = (_first_parameter(function),) if takes_ctx else ()
             return received(function, positional, named, inject=inject, sent=call.args_as_dict())
+        except ArgumentsDoNotFit as unfit:  # the call would never run: nothing is claimed
+            raise unfit.as_raised() from None
         except (TypeError, ValueError, KeyError):
             pass
     return with_schema_defaults(call.args_as_dict(), tool_def.parameters_json_schema)
