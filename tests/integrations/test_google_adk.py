@@ -358,7 +358,7 @@ def test_protect_refuses_what_it_cannot_use(ledger: Ledger) -> None:
         protect([lookup], ledger, effects={"lookup": SAFE, "wire": UNSAFE})
     with pytest.raises(TypeError, match="an AgentTool or a function"):
         protect([42], ledger, default=SAFE)  # type: ignore[list-item]
-    with pytest.raises(TypeError, match="streams"):
+    with pytest.raises(TypeError, match="is a generator function"):
         protect([stream], ledger, default=KEYED)
     with pytest.raises(ValueError, match="is named 'other'"):
         protect_tool(FunctionTool(lookup), ledger.guard("other", effect=SAFE))

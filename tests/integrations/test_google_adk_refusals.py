@@ -103,7 +103,36 @@ def test_a_recorded_generator_tool_is_refused_when_protected(
         name = fn.__name__
         for declared in (KEYED, UNSAFE, ledger.guard(name, effect=SAFE, record=True)):
             for tool in (fn, FunctionTool(fn)):
-                with pytest.raises(TypeError, match=rf"the tool '{name}' streams"):
+                with pytest.raises(TypeError, match=rf"the tool '{name}' is a generator function"):
                     protect([tool], ledger, effects={name: declared})
         (kept,) = protect([fn], ledger, default=SAFE)
         assert kept.name == name
+
+
+def test_a_tool_with_positional_only_parameters_is_keyed_as_adk_calls_it(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """A function with positional-only parameters: an ADK that hands them by name (it wraps
+    such a function) gets the call bound as it makes it, keyed by what the function receives,
+    and run once; an ADK that calls every function by keyword meets the function's own
+    TypeError, and nothing is claimed or charged."""
+    provider = Provider(tmp_path / "effects")
+
+    def charge(amount: int, /, customer: str) -> str:
+        """Charge the customer, in cents."""
+        return provider.charge(None, amount, customer)
+
+    tools = protect([charge], ledger, effects={"charge": UNSAFE})
+    model = ScriptedModel.of([("c1", "charge", CHARGE), ("c2", "charge", CHARGE)])
+    agent = LlmAgent(name="billing", model=model, tools=tools)
+    if not hasattr(FunctionTool, "_get_compatible_func"):  # ADK 2.2: by keyword only
+        with pytest.raises(TypeError, match="positional only, but was passed as a keyword"):
+            run(agent, "order-1")
+        assert ledger.store.records(ledger.namespace) == []
+        assert provider.effects == 0
+        return
+    run(agent, "order-1")
+    assert model.results() == {"c1": {"result": "ch_1"}, "c2": {"result": "ch_1"}}
+    (record,) = ledger.store.records(ledger.namespace)
+    assert record.key == idempotency_key("order-1", "charge", CHARGE)
+    assert provider.effects == 1

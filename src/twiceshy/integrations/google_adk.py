@@ -73,8 +73,8 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, TypeVar, cast
 
 from .. import Effect, Guard, Ledger, MissingScope, current_scope
-from ._calls import effect_at_of, for_the_model, received
-from ._core import ReturnOf
+from ._calls import ArgumentsDoNotFit, effect_at_of, for_the_model, received
+from ._core import ReturnOf, refuse_generator
 
 __all__ = [
     "TRIGGER_DELIVERY",
@@ -252,23 +252,9 @@ def _as_tool(given: object) -> FunctionTool | AgentTool:
 
 def _refuse_streaming(tool: FunctionTool) -> None:
     """A recorded tool's function must return its result: ADK runs a generator as a workflow
-    node, past the call the ledger wraps, and a stream cannot be replayed."""
-    fn = tool.func
-    try:
-        unwrapped = inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__: the function itself is all there is to read
-        unwrapped = fn
-    if any(_generates(f) for f in (fn, unwrapped)):
-        raise TypeError(
-            f"the tool {tool.name!r} streams (its function is a generator): its results cannot "
-            "be kept for a replay; declare it SAFE, or return its result at once"
-        )
-
-
-def _generates(fn: Callable[..., Any]) -> bool:
-    if not (inspect.isroutine(fn) or isinstance(fn, functools.partial)):
-        fn = getattr(type(fn), "__call__", fn)  # noqa: B004 - an object whose __call__ is the tool
-    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+    node, past the call the ledger wraps (it looks through wrappers to find one), and a stream
+    cannot be replayed."""
+    refuse_generator(tool.func, tool.name, wrapped=True)
 
 
 def _guard_for(ledger: Ledger, tool: FunctionTool | AgentTool, effect: Effect) -> Guard:
@@ -340,8 +326,38 @@ class _Protected(FunctionTool):
         inject = (self._context_param_name, *_INJECTED)
         try:
             return received(self.func, [], args_to_call, inject=inject, sent=sent)
-        except TypeError:  # a signature ADK binds its own way (positional-only parameters)
+        except ArgumentsDoNotFit as unfit:
+            # Unfit as ADK calls it, the call never runs: ADK's own TypeError, nothing claimed.
+            # (Newer releases make a function with positional-only parameters take them by
+            # name: bound as such a release calls it.)
+            if not _KEYWORD_COMPATIBLE:
+                raise unfit.as_raised() from None
+            positional, named = _as_adk_calls(self.func, args_to_call)
+            try:
+                return received(self.func, positional, named, inject=inject, sent=sent)
+            except ArgumentsDoNotFit as still:
+                raise still.as_raised() from None
+        except (TypeError, ValueError):  # a signature that cannot be read: what ADK hands it
             return {k: v for k, v in args_to_call.items() if k not in inject}
+
+
+_KEYWORD_COMPATIBLE: Final = hasattr(FunctionTool, "_get_compatible_func")
+"""Whether this ADK makes a function with positional-only parameters take them by name (2.13
+does); an older one (2.2) calls every function by keyword, which such a function refuses."""
+
+
+def _as_adk_calls(
+    fn: Callable[..., Any], args_to_call: Mapping[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """``args_to_call`` split as ADK passes them: positional-only parameters by position, in
+    order (while each is given), the rest by name."""
+    named = dict(args_to_call)
+    positional = []
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind is not inspect.Parameter.POSITIONAL_ONLY or parameter.name not in named:
+            break
+        positional.append(named.pop(parameter.name))
+    return positional, named
 
 
 class _ProtectedAgent(AgentTool):
