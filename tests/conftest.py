@@ -196,3 +196,19 @@ def pg() -> Iterator[tuple[str, str]]:
     schema = f"twiceshy_test_{secrets.token_hex(6)}"
     yield url, schema
     servers.drop_schema(url, schema)
+
+
+# With `pytest -n 2 --dist loadgroup` (the README's test command), the framework and engine tests
+# run in one worker and the rest in the other, each in order. The two never share a server they
+# change: the tests that kill a Redis Cluster node, restart PgBouncer or lower Redis's maxmemory
+# run with every other test of those servers, in the first worker; the framework tests use only
+# their own engines' servers, the SQLite files of their own and schemas of their own.
+_FRAMEWORKS = Path(__file__).resolve().parent / "integrations"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return  # an environment without pytest-xdist (the framework ones): nothing to group
+    for item in items:
+        group = "frameworks" if _FRAMEWORKS in item.path.parents else "ledger"
+        item.add_marker(pytest.mark.xdist_group(group))
