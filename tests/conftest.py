@@ -198,17 +198,23 @@ def pg() -> Iterator[tuple[str, str]]:
     servers.drop_schema(url, schema)
 
 
-# With `pytest -n 2 --dist loadgroup` (the README's test command), the framework and engine tests
+# With `pytest -n 2 --dist loadscope` (the README's test command), the framework and engine tests
 # run in one worker and the rest in the other, each in order. The two never share a server they
 # change: the tests that kill a Redis Cluster node, restart PgBouncer or lower Redis's maxmemory
 # run with every other test of those servers, in the first worker; the framework tests use only
-# their own engines' servers, the SQLite files of their own and schemas of their own.
-_FRAMEWORKS = Path(__file__).resolve().parent / "integrations"
+# their own engines' servers, SQLite files of their own and schemas of their own.
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return  # an environment without pytest-xdist (the framework ones): nothing to group
-    for item in items:
-        group = "frameworks" if _FRAMEWORKS in item.path.parents else "ledger"
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: no such hook where xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByServers(LoadScopeScheduling):
+        """Two scopes: the framework and engine tests, and the ledger's."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return "frameworks" if nodeid.startswith("tests/integrations/") else "ledger"
+
+    return ByServers(config, log)

@@ -26,7 +26,7 @@ def test_readme_opens_with_the_demo_and_the_test_command() -> None:
     assert demo.endswith("twiceshy demo")
     assert "pip install -e '.[cli]'" in demo
     assert "pip install -e '.[test]'" in tests
-    assert tests.endswith("python -m pytest -n 2 --dist loadgroup")
+    assert tests.endswith("python -m pytest -n 2 --dist loadscope")
 
 
 def test_ci_runs_the_readme_test_command() -> None:
