@@ -198,11 +198,25 @@ def pg() -> Iterator[tuple[str, str]]:
     servers.drop_schema(url, schema)
 
 
-# With `pytest -n 2 --dist loadscope` (the README's test command), the framework and engine tests
-# run in one worker and the rest in the other, each in order. The two never share a server they
-# change: the tests that kill a Redis Cluster node, restart PgBouncer or lower Redis's maxmemory
-# run with every other test of those servers, in the first worker; the framework tests use only
-# their own engines' servers, SQLite files of their own and schemas of their own.
+# With `pytest -n 2 --dist loadscope` (the README's test command), every test that uses the shared
+# Redis or Redis Cluster runs in one scope, in order, in one worker: some of them kill a cluster
+# node or lower the server's maxmemory, which another test of those servers must never meet. Every
+# other module is a scope of its own, sent to whichever worker is free: those tests use SQLite
+# files, tables, key prefixes and engine servers of their own.
+_REDIS_MODULES = frozenset(
+    f"tests/{name}.py"
+    for name in (
+        "test_cli",
+        "test_concurrency",
+        "test_pools",
+        "test_reconcile",
+        "test_redis_cluster",
+        "test_redis_faults",
+        "test_redis_store",
+        "test_secrets",
+    )
+)
+"""Modules whose tests use Redis directly, not only through a parametrized store."""
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: no such hook where xdist is not installed
@@ -212,9 +226,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
     class ByServers(LoadScopeScheduling):
-        """Two scopes: the framework and engine tests, and the ledger's."""
+        """One scope for every test of the shared Redis servers; a scope per module else."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "frameworks" if nodeid.startswith("tests/integrations/") else "ledger"
+            module, _, rest = nodeid.partition("::")
+            if module in _REDIS_MODULES or "redis" in rest.partition("[")[2]:
+                return "redis"
+            return module
 
     return ByServers(config, log)

@@ -418,13 +418,15 @@ def _retry(url: str, log: Path, effect: twiceshy.Effect, lease: float, wait: flo
 def test_unsafe_killed_after_claim_is_never_run_again(prefix: str, tmp_path: Path) -> None:
     """G2/G6: an UNSAFE call killed right after its claim: retries wait, then OutcomeUnknown."""
     url, log = servers.dynamodb_url(prefix=prefix), tmp_path / "effects.jsonl"
-    _crash(url, log, twiceshy.UNSAFE, "after-claim", lease=1.0)
+    # A lease long enough that the first retry (a ledger opened afresh, on a busy machine) still
+    # finds the claim live.
+    _crash(url, log, twiceshy.UNSAFE, "after-claim", lease=4.0)
     with pytest.raises(twiceshy.InProgress):
-        _retry(url, log, twiceshy.UNSAFE, lease=1.0, wait=0.05)
-    time.sleep(1.1)
+        _retry(url, log, twiceshy.UNSAFE, lease=4.0, wait=0.05)
+    time.sleep(4.1)
     for _ in range(2):
         with pytest.raises(twiceshy.OutcomeUnknown):
-            _retry(url, log, twiceshy.UNSAFE, lease=1.0, wait=0.05)
+            _retry(url, log, twiceshy.UNSAFE, lease=4.0, wait=0.05)
     assert effects(log) == []
 
 
