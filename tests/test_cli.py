@@ -767,7 +767,10 @@ def test_no_command_creates_a_postgres_ledger(pg: tuple[str, str]) -> None:
     url, schema = pg
     for command in LEDGER_COMMANDS:
         line = one_line_error(cli(f"{url}?schema={schema}", "", *command), 1)
-        assert line.startswith("Error: no twiceshy ledger at 127.0.0.1:5432/test: "), line
+        where = urlsplit(url)
+        assert line.startswith(
+            f"Error: no twiceshy ledger at {where.netloc.rpartition('@')[2]}{where.path}: "
+        ), line
         assert f'"{schema}"."records"' in line
     with psycopg.connect(url) as conn:
         found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))

@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
+import servers
 import twiceshy
 from twiceshy.errors import StoreError
 
-PG = "postgresql://postgres@127.0.0.1:5432/test"
+PG = servers.POSTGRES_URL
 
 
-REDIS = "redis://127.0.0.1:6379/0"
+REDIS = servers.REDIS_URL
 
 
 def test_one_run_object_serves_concurrent_tasks() -> None:

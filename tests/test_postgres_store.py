@@ -11,6 +11,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -18,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -211,7 +213,9 @@ def tables(url: str, schema: str) -> set[str] | None:
 def test_create_false_refuses_a_missing_schema_and_creates_nothing(pg: tuple[str, str]) -> None:
     """create=False where the schema does not exist raises LedgerNotFound, sync and async alike."""
     url, schema = pg
-    with pytest.raises(LedgerNotFound, match=r"no twiceshy ledger at 127\.0\.0\.1:5432/test: "):
+    where = urlsplit(url)
+    at = re.escape(f"{where.netloc.rpartition('@')[2]}{where.path}")
+    with pytest.raises(LedgerNotFound, match=rf"no twiceshy ledger at {at}: "):
         open_store(ledger_url(url, schema), create=False)
 
     async def first_call() -> None:
