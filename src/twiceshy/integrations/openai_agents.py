@@ -629,8 +629,9 @@ def _refuse_workflow_code(tool: str) -> None:
     raise UserError(
         f"the protected tool {tool!r} was invoked in Temporal workflow code, where the ledger "
         "must not be asked (a replay would ask it again): protect the activity instead, with "
-        "twiceshy.integrations.temporal.activity(ledger, effect=...), and hand it to "
-        "activity_as_tool(...); it did not run"
+        "twiceshy.integrations.temporal.activity(ledger, effect=...), hand it to "
+        "activity_as_tool(...), and give the worker "
+        "twiceshy.integrations.temporal.TwiceshyInterceptor(); it did not run"
     )
 
 

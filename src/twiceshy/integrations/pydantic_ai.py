@@ -577,7 +577,8 @@ _DURABLE_PLACEMENT = {
     "(PrefectDurability runs each tool call in a task)",
     "Temporal": "protect the tool function inside the activity that runs it: "
     "@twiceshy.integrations.temporal.protect(ledger, effect=...) under the tool decorator "
-    "(TemporalDurability runs each tool call in an activity)",
+    "(TemporalDurability runs each tool call in an activity), with "
+    "twiceshy.integrations.temporal.TwiceshyInterceptor() on the worker",
 }
 # The engines' words for their workflows and for the units that run a tool.
 _CONTAINER = {"DBOS": "workflow", "Prefect": "flow", "Temporal": "workflow"}
