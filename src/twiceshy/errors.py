@@ -190,23 +190,36 @@ class OutcomeUnknown(TwiceshyError):
     Attributes:
         key: the intent's idempotency key.
         tool: the tool's name.
+        reason: why the outcome is unknown.
+        replayed_by: said by an engine adapter where the engine answers every later run of the
+            intent with this same error (a DBOS recovery or resume of the workflow): an
+            operator's release then runs nothing by itself, and the text says so.
     """
 
-    def __init__(self, tool: str, key: str, reason: str = "") -> None:
+    def __init__(self, tool: str, key: str, reason: str = "", *, replayed_by: str = "") -> None:
         self.tool = tool
         self.key = key
         self.reason = reason
+        self.replayed_by = replayed_by
         detail = f" ({reason})" if reason else ""
         super().__init__(
             f"The tool {tool!r} was started but its outcome is unknown{detail}: it may or may not "
             "have taken effect. It will not be run again for these arguments. Do not call it "
             "again; tell the user that the action may have happened and needs to be checked "
-            f"(reference {key[:16]}). {clearing(key)}"
+            f"(reference {key[:16]}). {clearing(key, replayed_by)}"
         )
 
 
-def clearing(key: str) -> str:
-    """How an operator clears an unknown outcome, once the effect has been checked."""
+def clearing(key: str, replayed_by: str = "") -> str:
+    """How an operator clears an unknown outcome, once the effect has been checked;
+    ``replayed_by``: what answers every later run with the same error (an engine's recovery)."""
+    if replayed_by:
+        return (
+            f"Once checked, an operator records it with `twiceshy resolve {key[:16]} "
+            "--succeeded 'RESULT-JSON'` (it did) or `--released` (it did not); "
+            f"{replayed_by} answers this same error whatever is recorded, so work that did not "
+            "happen is started again as new work."
+        )
     return (
         f"Once checked, an operator clears it with `twiceshy resolve {key[:16]} --released` "
         "(it did not happen: the next call runs it) or `--succeeded 'RESULT-JSON'` (it did)."

@@ -54,7 +54,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from dbos import DBOS
 
-from twiceshy import Effect, InProgress, Ledger, run
+from twiceshy import Effect, InProgress, Ledger, OutcomeUnknown, run
 
 from ._durable import in_engine, is_final, retried, waiting_out_the_lease
 
@@ -141,11 +141,18 @@ def step(
 # What ends with InProgress in a step: DBOS's retries, and the workflow, which records it as the
 # step's outcome. Neither a recovery nor a resume asks the ledger again; a fork is a new scope.
 _ENDS = "DBOS does not run this step again: a recovery or a resume of the workflow answers the same"
+# Who answers an unknown outcome again, whatever an operator records: the journal's step error.
+_REPLAYED_BY = "a recovery or a resume of this DBOS workflow (a fork is a new scope, and runs it)"
+
+
+def _unknown_in_a_step(error: OutcomeUnknown) -> OutcomeUnknown:
+    """``error`` as a step answers it: an operator's release runs nothing by itself there."""
+    return OutcomeUnknown(error.tool, error.key, error.reason, replayed_by=_REPLAYED_BY)
 
 
 def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
     """``protected``, called in the workflow's scope when there is a workflow, its ``InProgress``
-    worded for a step."""
+    and ``OutcomeUnknown`` worded for a step."""
     if inspect.iscoroutinefunction(protected):
 
         @functools.wraps(protected)
@@ -158,6 +165,8 @@ def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
                     return await protected(*args, **kwargs)
             except InProgress as exc:
                 raise in_engine(exc, ends=_ENDS, resumable=False) from None
+            except OutcomeUnknown as exc:
+                raise _unknown_in_a_step(exc) from exc.__cause__
 
         return cast(Callable[P, R], scoped_async)
 
@@ -171,5 +180,7 @@ def _in_workflow_scope(protected: Callable[P, R]) -> Callable[P, R]:
                 return protected(*args, **kwargs)
         except InProgress as exc:
             raise in_engine(exc, ends=_ENDS, resumable=False) from None
+        except OutcomeUnknown as exc:
+            raise _unknown_in_a_step(exc) from exc.__cause__
 
     return scoped
