@@ -578,9 +578,11 @@ def test_a_master_killed_during_calls_completes_them_once(
     url: str, prefix: str, healed: None
 ) -> None:
     """SIGKILL of a primary while calls run: a call whose outcome is due there, and one whose
-    claim is, go on trying until its replica takes over, then complete; no call of four busy
-    threads fails, no intent runs twice, every retry replays. A store whose failover_wait is
-    shorter than the failover answers StoreUnavailable and runs nothing."""
+    claim is, go on trying through the failover; with the default wait_replicas=1 neither is
+    answered while its replica, promoted, has no replica of its own, and both complete once
+    the killed node is back as one. No call of four busy threads fails, no intent runs twice,
+    every retry replays. A store whose failover_wait is shorter than the failover answers
+    StoreUnavailable and runs nothing."""
     ledger = twiceshy.Ledger(ledger_url(url, prefix), counts_interval=None)
     impatient = twiceshy.Ledger(ledger_url(url, prefix, failover_wait="0.3"), counts_interval=None)
     wires: Counter[int] = Counter()
@@ -626,10 +628,14 @@ def test_a_master_killed_during_calls_completes_them_once(
             assert lost not in wires
             wait_until(lambda: primary_of(url, _key_name(store, "wire", held)) == heir, 30, "it")
             promoted = time.monotonic()
+            # The heir has no replica until the killed node rejoins: nothing due there is
+            # acknowledged, neither the outcome nor the claim (each would be lost with the heir).
+            assert holder.is_alive()
+            assert claimer.is_alive()
+            restart()
             holder.join(30)
             claimer.join(30)
             wait_until(lambda: len(calls.after(promoted)) > 40, what="calls after the failover")
-            restart()
         assert outcome_due[0] == held
         assert claim_due[0] == late
         # Both were due at the killed primary after the kill, and answered: so through its heir.
@@ -650,6 +656,105 @@ def test_a_master_killed_during_calls_completes_them_once(
     finally:
         impatient.close()
         ledger.close()
+
+
+def _unread(address: str) -> int:
+    """Bytes sent to the node at ``address`` that it has not read yet (a stopped node's queue)."""
+    port = address.rsplit(":", 1)[1]
+    lines = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout.splitlines()
+    return sum(int(line.split()[0]) for line in lines if line.strip())
+
+
+def _paused_primary_takeover(url: str, prefix: str, **options: str) -> tuple[Counter[int], Any]:
+    """Caller A's claim queued on a paused (SIGSTOPped) primary; its replica takes over; caller
+    B claims the same intent at the new primary; the old primary resumes. Answers how often
+    the tool ran and what each caller answered."""
+    slow = twiceshy.Ledger(ledger_url(url, prefix, socket_timeout="10", **options))
+    quick = twiceshy.Ledger(
+        ledger_url(url, prefix, socket_timeout="1", wait_timeout="0.5", **options)
+    )
+    runs: Counter[int] = Counter()
+    answers: dict[str, Any] = {}
+
+    def wire(n: int) -> dict[str, int]:
+        runs[n] += 1
+        return {"wired": n}
+
+    tools = {
+        who: lg.tool(effect=twiceshy.UNSAFE, name="wire", wait=30)(wire)
+        for who, lg in (("a", slow), ("b", quick))
+    }
+
+    def call(who: str, n: int) -> None:
+        try:
+            with twiceshy.run("paused"):
+                answers[who] = tools[who](n)
+        except twiceshy.TwiceshyError as exc:
+            answers[who] = exc
+
+    try:
+        store = slow.store
+        assert isinstance(store, RedisClusterStore)
+        n = 7
+        rec = store.key_names("", twiceshy.idempotency_key("paused", "wire", {"n": n}))[0]
+        old = primary_of(url, rec)
+        new = replica_of(url, old)
+        with node(old) as client:
+            pid = int(client.info("server")["process_id"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            a = threading.Thread(target=call, args=("a", n))
+            a.start()
+            wait_until(lambda: _unread(old) > 0, 10, "A's claim queued on the paused primary")
+            with node(new) as client:
+                client.execute_command("CLUSTER FAILOVER", "TAKEOVER")
+                wait_until(lambda: client.info("replication")["role"] == "master", 10, "it")
+            b = threading.Thread(target=call, args=("b", n))
+            b.start()
+            with node(new) as client:
+                wait_until(lambda: client.hget(rec, "state") is not None, 30, "B's claim")
+            if options.get("wait_replicas") != "0":
+                assert not runs  # the new primary has no replica yet: B's claim is not acked
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        a.join(60)
+        b.join(60)
+        assert not a.is_alive()
+        assert not b.is_alive()
+        return runs, answers
+    finally:
+        quick.close()
+        slow.close()
+
+
+def test_a_claim_queued_on_a_paused_primary_runs_nothing_twice(
+    url: str, prefix: str, healed: None
+) -> None:
+    """A primary paused (a GC pause, a VM stall) while caller A's claim waits on it; its replica
+    is promoted and caller B claims the intent there; the old primary wakes and runs A's claim
+    on a record it no longer serves. With the default wait_replicas=1 neither claim counts until
+    a replica has it: the old primary's is never acknowledged (it rejoins as a replica and is
+    overwritten), B's is once it has, and the UNSAFE tool runs once; A replays B's result."""
+    runs, answers = _paused_primary_takeover(url, prefix)
+    assert runs == Counter({7: 1})
+    assert answers == {"a": {"wired": 7}, "b": {"wired": 7}}
+
+
+def test_with_wait_replicas_0_the_paused_primary_runs_it_twice(
+    url: str, prefix: str, healed: None
+) -> None:
+    """The same steps with wait_replicas=0, what the docs say it accepts: the old primary
+    acknowledges A's claim on waking, after B's ran the tool at the new one, so the tool runs
+    twice and both callers answer "ok" (the re-enactment above is real)."""
+    runs, answers = _paused_primary_takeover(url, prefix, wait_replicas="0")
+    assert runs == Counter({7: 2})
+    assert answers == {"a": {"wired": 7}, "b": {"wired": 7}}
 
 
 # -- processes ------------------------------------------------------------------------------

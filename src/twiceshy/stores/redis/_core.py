@@ -87,6 +87,15 @@ def _num(value: float | None) -> str:
     return "" if value is None else "=" + repr(float(value))
 
 
+class NotReplicated(StoreError):
+    """Fewer replicas than ``wait_replicas`` acknowledged a claim, a write, or a record read.
+
+    On a cluster the operation is sent again (it recognises itself) until ``failover_wait``
+    passes: a replica that is catching up, or a restarted primary rejoining as one, then
+    acknowledges it.
+    """
+
+
 class Gate:
     """Admits at most ``pool_size`` commands of one client at once; the others wait their turn.
 
@@ -299,7 +308,9 @@ class Core:
             # The reply to the pipelined WAIT comes only after wait_timeout: on a socket that
             # gives up first, every write with a lagging replica would end as a lost reply.
             raise ValueError(
-                "wait_timeout= must be shorter than socket_timeout= when wait_replicas= is set"
+                f"wait_timeout= ({self.wait_ms / 1000:g} s) must be shorter than socket_timeout= "
+                f"({self.socket_timeout:g} s) when wait_replicas= is above 0 (a redis+cluster:// "
+                "ledger waits for 1 replica unless its URL says wait_replicas=0)"
             )
         # How long a call goes on trying while a cluster fails over (0: once more, at once).
         self.failover_wait = _seconds(failover_wait, "failover_wait")
@@ -489,13 +500,21 @@ class Core:
         seconds, micros = server_time
         return seconds + micros / 1_000_000
 
-    def check_replicas(self, what: str, acked: object) -> None:
-        if not isinstance(acked, int) or acked < self.wait_replicas:
-            raise StoreError(
-                f"Redis ledger: the {what} took effect on the primary, but only {acked} of "
-                f"{self.wait_replicas} replicas acknowledged it within {self.wait_ms} ms; a "
-                "failover now could lose it"
-            )
+    def check_replicas(self, what: str, acked: object, *, found: bool = False) -> None:
+        """Raise :class:`NotReplicated` unless ``wait_replicas`` replicas acknowledged.
+
+        ``found``: the record was read, not written (a replay, or an outcome a waiter found).
+        """
+        if isinstance(acked, int) and acked >= self.wait_replicas:
+            return
+        done = "was found" if found else "took effect"
+        raise NotReplicated(
+            f"Redis ledger: the {what} {done} on the primary, but only {acked} of "
+            f"{self.wait_replicas} replicas acknowledged it within {self.wait_ms} ms; a failover "
+            "now could lose it, so it is not answered (nothing ran). Every primary needs "
+            f"{self.wait_replicas} replica(s) in sync; wait_replicas=0 in the ledger URL "
+            "accepts losing claims and outcomes at a failover instead"
+        )
 
     # -- open or closed, and the subscriber ----------------------------------------------------
 

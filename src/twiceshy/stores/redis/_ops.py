@@ -27,13 +27,14 @@ from redis.exceptions import (
     NoScriptError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..._records import FINAL_STATES, Change, Effect, Record, Snapshot, State
-from ._core import Core
+from ._core import Core, NotReplicated
 from ._lua import CLAIM, PURGE, READ, WRITE, Lua
 from ._replies import counts as read_counts
 from ._replies import readable, select, settled, snapshot, store_error
@@ -101,9 +102,10 @@ def _guarded(core: Core, what: str, attempt: Callable[[], Op[T]]) -> Op[T]:
     """Run ``attempt``; after a lost connection, once more on a fresh one.
 
     On a cluster (``failover_wait`` > 0) the attempts go on, 50 ms apart doubling to 1 s, for
-    as long as the cluster is failing over and ``failover_wait`` has not passed since the first
-    failure. Every command sent here is safe to send again (see "Lost replies" in
-    docs/stores/redis.md); redis-py's own retries are off. redis-py's errors become
+    as long as the cluster is failing over, or fewer replicas than ``wait_replicas`` acknowledge
+    (a promoted replica has none until its old primary rejoins), and ``failover_wait`` has not
+    passed since the first failure. Every command sent here is safe to send again (see "Lost
+    replies" in docs/stores/redis.md); redis-py's own retries are off. redis-py's errors become
     :class:`~twiceshy.StoreError`.
     """
     core.check_open()
@@ -113,21 +115,36 @@ def _guarded(core: Core, what: str, attempt: Callable[[], Op[T]]) -> Op[T]:
     while True:
         try:
             return (yield from attempt())
-        except _FAILING_OVER as exc:
+        except (RedisError, UnicodeError, NotReplicated) as exc:
+            if not _failing_over(exc):
+                raise _told(what, exc) from exc
             if core.failover_wait <= 0:
                 if retried or not isinstance(exc, _LOST):
-                    raise store_error(what, exc) from exc
+                    raise _told(what, exc) from exc
                 retried = True  # the connection was dropped: the next command gets a new one
                 continue
             now = time.monotonic()
             give_up = now + core.failover_wait if give_up is None else give_up
             if now >= give_up:
-                raise store_error(what, exc) from exc
+                raise _told(what, exc) from exc
             core.check_open()
             yield Sleep(min(delay, give_up - now))
             delay = min(delay * 2, _RETRY_CAP)
-        except (RedisError, UnicodeError) as exc:
-            raise store_error(what, exc) from exc
+
+
+def _failing_over(exc: Exception) -> bool:
+    """Whether ``exc`` says the cluster is moving on (see ``_FAILING_OVER``), or that too few
+    replicas had an answer yet; or, for a ``WAIT`` whose primary was just made a replica, that
+    Redis unblocked it (the operation, sent again, finds the new primary)."""
+    if isinstance(exc, (*_FAILING_OVER, NotReplicated)):
+        return True
+    # A pipeline's error names its command first: "Command # 2 (WAIT ...) ... UNBLOCKED ...".
+    return isinstance(exc, ResponseError) and "UNBLOCKED force unblock" in str(exc)
+
+
+def _told(what: str, exc: Exception) -> Exception:
+    """The error a caller gets: twiceshy's own as it is, redis-py's as a StoreError."""
+    return exc if isinstance(exc, NotReplicated) else store_error(what, exc)
 
 
 def _script(lua: Lua, key: str, args: list[str]) -> Op[Any]:
@@ -148,7 +165,8 @@ def _changing(core: Core, lua: Lua, key: str, args: list[str], what: str) -> Op[
         reply, acked = yield Batch((("EVALSHA", lua.sha, 1, key, *args), wait), one_connection=True)
     except NoScriptError:
         reply, acked = yield Batch((("EVAL", lua.text, 1, key, *args), wait), one_connection=True)
-    if snapshot(reply).won:
+    snap = snapshot(reply)
+    if snap.won:
         core.check_replicas(what, acked)
     return reply
 
@@ -201,7 +219,8 @@ def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
 
     def attempt() -> Op[Snapshot]:
         rec, _ = core.names(namespace, key)
-        return snapshot((yield from _script(READ, rec, [core.now_arg()])))
+        snap = snapshot((yield from _script(READ, rec, [core.now_arg()])))
+        return snap
 
     return (yield from _guarded(core, "read", attempt))
 

@@ -268,8 +268,9 @@ class RedisStore(_Opening):
         prefix: the first part of every key; it must not contain braces.
         clock: the store's clock (seconds since the epoch); ``None`` uses the server's ``TIME``.
         socket_timeout: how long to wait to connect, and for any answer.
-        wait_replicas: after each claim and write that took effect, wait until this many
-            replicas acknowledged it (``WAIT``), else raise :class:`~twiceshy.StoreError`.
+        wait_replicas: after each claim and write that took effect, and before answering
+            with a settled record read, wait until this many replicas have it (``WAIT``), else
+            raise :class:`~twiceshy.StoreError` (0 by default on one server, 1 on a cluster).
         wait_timeout: how long ``WAIT`` may take; shorter than ``socket_timeout`` when
             ``wait_replicas`` is set.
         reread_interval: how often a waiter re-reads the record when no wake-up arrives.
@@ -463,7 +464,7 @@ class _ClusterOpening(_Opening):
         prefix: str = "twiceshy",
         clock: Callable[[], float] | None = None,
         socket_timeout: float | timedelta = 5.0,
-        wait_replicas: int = 0,
+        wait_replicas: int = 1,
         wait_timeout: float | timedelta = 1.0,
         reread_interval: float | timedelta = 1.0,
         client_name: str | None = None,
@@ -515,6 +516,10 @@ class RedisClusterStore(_ClusterOpening, RedisStore):
     Args:
         url: ``redis+cluster://[user[:password]@]host:port[,host:port...]``: some nodes of the
             cluster (the client finds the others); no database (a cluster has only 0).
+        wait_replicas: 1 by default: a claim, an outcome or a replay counts only once a replica
+            of the record's primary has it, so that a failover cannot lose it (see
+            "Replication" in docs/stores/redis.md); until then the call goes on trying, up to
+            ``failover_wait``. ``0`` accepts that loss for one round trip less.
         failover_wait: how long a call goes on trying, 50 ms apart doubling to 1 s, while the
             cluster fails over or a node does not answer, before it raises
             :class:`~twiceshy.StoreUnavailable` (every command it sends again is one the store
