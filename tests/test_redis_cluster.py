@@ -757,6 +757,47 @@ def test_with_wait_replicas_0_the_paused_primary_runs_it_twice(
     assert answers == {"a": {"wired": 7}, "b": {"wired": 7}}
 
 
+def test_a_replay_waits_for_a_replica_of_the_outcome(url: str, prefix: str) -> None:
+    """An outcome that no replica acknowledged (its replica stopped) is answered
+    OutcomeNotRecorded to its owner; a retry that finds it on the primary, or a waiter that
+    reads it, is not answered "ok" with it either (a failover now would lose it: a StoreError,
+    nothing runs), and the retry replays it once the replica has it."""
+    ledger = twiceshy.Ledger(
+        ledger_url(url, prefix, wait_timeout="0.3", failover_wait="1"), counts_interval=None
+    )
+    runs: Counter[int] = Counter()
+    store = ledger.store
+    assert isinstance(store, RedisClusterStore)
+    key = twiceshy.idempotency_key("replay", "charge", {"n": 3})
+    rec = store.key_names("", key)[0]
+    replica = replica_of(url, primary_of(url, rec))
+    with node(replica) as client:
+        pid = int(client.info("server")["process_id"])
+
+    @ledger.tool(effect=twiceshy.UNSAFE, name="charge", wait=5)
+    def charge(n: int) -> int:
+        runs[n] += 1
+        os.kill(pid, signal.SIGSTOP)  # the replica stops before the outcome is written
+        return 2 * n
+
+    try:
+        try:
+            with twiceshy.run("replay"), pytest.raises(twiceshy.OutcomeNotRecorded):
+                charge(3)
+            with twiceshy.run("replay"), pytest.raises(StoreError, match="was found on the"):
+                charge(3)
+            with pytest.raises(StoreError, match="was found on the"):
+                store.get("", key)  # as a waiter reads the outcome it waited for
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: whole(url), 30, "the replica in sync again")
+        with twiceshy.run("replay"):
+            assert charge(3) == 6
+        assert runs == Counter({3: 1})
+    finally:
+        ledger.close()
+
+
 # -- processes ------------------------------------------------------------------------------
 
 

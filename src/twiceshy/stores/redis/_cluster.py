@@ -190,8 +190,9 @@ class ClusterCore(Core):
 
 
 def _key(commands: Sequence[tuple[Any, ...]]) -> Any:
-    """The key of the first command: an ``EVALSHA``'s or ``EVAL``'s first key."""
-    return commands[0][3]
+    """The key of the first command: an ``EVALSHA``'s or ``EVAL``'s first key, or a ``SET``'s."""
+    first = commands[0]
+    return first[1] if first[0] == "SET" else first[3]
 
 
 def one_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:

@@ -168,7 +168,27 @@ def _changing(core: Core, lua: Lua, key: str, args: list[str], what: str) -> Op[
     snap = snapshot(reply)
     if snap.won:
         core.check_replicas(what, acked)
+    elif _answers_outcome(snap):
+        yield from _confirmed(core, key)
     return reply
+
+
+def _answers_outcome(snap: Snapshot) -> bool:
+    """Whether a caller may answer with this record: it is settled, not a claim to join."""
+    return snap.record is not None and snap.record.state is not State.CLAIMED
+
+
+def _confirmed(core: Core, key: str) -> Op[None]:
+    """Raise :class:`NotReplicated` unless ``wait_replicas`` replicas have the record ``key``.
+
+    A record read, not written, is no write of this connection for ``WAIT`` to count: a short
+    write to a key of the record's slot (``<tag>:ack``, gone after a second) comes first, and
+    the replication stream being ordered, a replica that has it has the record as read.
+    """
+    ack = key.removesuffix(":rec") + ":ack"
+    touch = ("SET", ack, "1", "PX", "1000")
+    _, acked = yield Batch((touch, ("WAIT", core.wait_replicas, core.wait_ms)), one_connection=True)
+    core.check_replicas("record", acked, found=True)
 
 
 def _batches(names: list[Any]) -> Iterable[list[Any]]:
@@ -220,6 +240,8 @@ def get(core: Core, namespace: str, key: str) -> Op[Snapshot]:
     def attempt() -> Op[Snapshot]:
         rec, _ = core.names(namespace, key)
         snap = snapshot((yield from _script(READ, rec, [core.now_arg()])))
+        if core.wait_replicas and _answers_outcome(snap):
+            yield from _confirmed(core, rec)
         return snap
 
     return (yield from _guarded(core, "read", attempt))
