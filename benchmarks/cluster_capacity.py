@@ -32,6 +32,11 @@ CTX = mp.get_context("spawn")
 
 TARGETS = {
     "redis-cluster": "redis+cluster://127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103/?prefix={where}",
+    # The cluster without its default wait for a replica: what wait_replicas=1 costs.
+    "redis-cluster-wait0": (
+        "redis+cluster://127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103/"
+        "?prefix={where}&wait_replicas=0"
+    ),
     "pgbouncer": "postgresql://postgres@127.0.0.1:6432/test?schema={where}&wakeups=poll",
     "redis": "redis://127.0.0.1:6379/0?prefix={where}",
     "postgres": "postgresql://postgres@127.0.0.1:5432/test?schema={where}",
@@ -106,7 +111,7 @@ def _footprint(name: str, where: str, records: int) -> float:
 
         client: Any = (
             RedisCluster(host="127.0.0.1", port=7101)
-            if name == "redis-cluster"
+            if name.startswith("redis-cluster")
             else redis.Redis(host="127.0.0.1", port=6379)
         )
         try:
@@ -135,7 +140,7 @@ def _clean(name: str, where: str) -> None:
 
         client: Any = (
             RedisCluster(host="127.0.0.1", port=7101)
-            if name == "redis-cluster"
+            if name.startswith("redis-cluster")
             else redis.Redis(host="127.0.0.1", port=6379)
         )
         try:
@@ -157,11 +162,11 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(TARGETS))
     args = parser.parse_args()
     print(f"{args.processes} processes, {args.seconds:g} s each, claim + outcome per record")
-    print(f"{'ledger':<15}{'records/s':>12}{'median ms':>12}{'p99 ms':>10}{'bytes/record':>14}")
+    print(f"{'ledger':<21}{'records/s':>12}{'median ms':>12}{'p99 ms':>10}{'bytes/record':>14}")
     for name in args.targets.split(","):
         f = measure(name, args.processes, args.seconds)
         print(
-            f"{name:<15}{f['records_per_second']:>12,.0f}{f['median_ms']:>12.2f}"
+            f"{name:<21}{f['records_per_second']:>12,.0f}{f['median_ms']:>12.2f}"
             f"{f['p99_ms']:>10.2f}{f['bytes_per_record']:>14,.0f}"
         )
 
