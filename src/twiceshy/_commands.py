@@ -22,7 +22,7 @@ __all__ = [
     "Happened",
     "Note",
     "Now",
-    "Protocol",
+    "Commands",
     "Ran",
     "Reconcile",
     "Run",
@@ -138,7 +138,8 @@ class DidNotHappen:
 
 
 Command: TypeAlias = Now | Note | Claim | Write | Wait | Run | Sleep | Reconcile
-Protocol: TypeAlias = Generator[Command, Any, Any]
+Commands: TypeAlias = Generator[Command, Any, Any]
+"""One call's protocol as it runs: a generator of the commands it needs, sent their answers."""
 
 NOW: Final = Now()
 CLAIM: Final = Claim()

@@ -29,11 +29,11 @@ from ._commands import (
     NOW,
     Claim,
     Command,
+    Commands,
     DidNotHappen,
     Happened,
     Note,
     Now,
-    Protocol,
     Ran,
     Reconcile,
     Run,
@@ -85,7 +85,7 @@ __all__ = [
     "Note",
     "Now",
     "Policy",
-    "Protocol",
+    "Commands",
     "Ran",
     "Reconcile",
     "Run",
@@ -385,7 +385,7 @@ def settle(policy: Policy, record: Record, answer: object, now: float) -> Change
 
 def protect(
     plan: CallPlan, recalled: Snapshot | None = None, wait_until: float | None = None
-) -> Protocol:
+) -> Commands:
     """The protocol of one protected call; returns the result or raises the outcome's error.
 
     ``recalled``: a settled record of the key this process kept (``Ledger(remember=)``), which
@@ -832,7 +832,7 @@ def abandoned(
     return _change(Actor.OWNER, record, _R, owner=plan.owner, ttl=plan.policy.ttl)
 
 
-def retry_only(policy: Policy) -> Protocol:
+def retry_only(policy: Policy) -> Commands:
     """The protocol of a SAFE tool kept out of the ledger: run, retrying transient errors.
 
     The tool's exceptions are read as for a recorded call: a certain failure (``definite=``) and

@@ -26,10 +26,10 @@ from twiceshy._protocol import (
     CallPlan,
     Claim,
     Command,
+    Commands,
     Note,
     Now,
     Policy,
-    Protocol,
     Ran,
     Reconcile,
     Run,
@@ -253,7 +253,7 @@ class Script:
         """The runs the protocol yielded, in order."""
         return [command for command in self.commands if isinstance(command, Run)]
 
-    def play(self, steps: Sequence[Step], protocol: Protocol | None = None) -> Any:
+    def play(self, steps: Sequence[Step], protocol: Commands | None = None) -> Any:
         """Play ``protocol`` (by default ``protect(plan)``) through ``steps``: what it returns,
         or what it raises once every step was taken."""
         __tracebackhide__ = True
