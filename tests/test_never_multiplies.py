@@ -102,7 +102,7 @@ def test_a_request_through_a_key_transport_hands_the_key_on() -> None:
             return str(answer.json()["id"])
 
         with twiceshy.run("run-http"):
-            assert charge(4900) == "obj_1"
+            assert charge(4900) == "ch_1"
         client.close()
     assert len(provider.requests) == 2
     assert len(provider.effects) == 1

@@ -166,10 +166,30 @@ def test_a_reconciler_reads_the_double() -> None:
     ledger.close()
 
 
+def test_a_late_answer_times_out_a_client_that_stopped_waiting() -> None:
+    """lose_answers(late=): over HTTP the charge is made and its answer comes after the client's
+    read timeout, which the client sees as its own timeout; the next request is answered."""
+    provider = FakeProvider(deduplicate=True)
+    provider.lose_answers(late=0.5)
+    with provider.serve() as base, httpx.Client(base_url=base, timeout=0.1) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/charges", json={"amount": 1}, headers={"Idempotency-Key": "k"})
+        again = client.post(
+            "/v1/charges", json={"amount": 1}, headers={"Idempotency-Key": "k"}, timeout=10
+        )
+    assert again.json() == {"id": "ch_1", "status": "succeeded", "amount": 1}
+    assert [(r.handling, r.answer_lost) for r in provider.requests] == [
+        (Handling.APPLIED, True),
+        (Handling.DEDUPLICATED, False),
+    ]
+
+
 @pytest.mark.parametrize(
     ("call", "error"),
     [
         (lambda p: p.lose_answers(-1), ValueError),
+        (lambda p: p.lose_answers(late=-0.5), ValueError),
+        (lambda p: p.lose_answers(late="1"), ValueError),
         (lambda p: p.fail_next(True), TypeError),
         (lambda p: p.charge(1, "c", idempotency_key=5), TypeError),
         (lambda p: p.request(""), TypeError),
@@ -193,7 +213,7 @@ def test_served_provider_takes_json_keys_and_loses_answers() -> None:
     with provider.serve() as base, httpx.Client(base_url=base) as client:
         made = client.post("/v1/charges", json={"amount": 1}, headers={"Idempotency-Key": "k"})
         assert made.status_code == 200
-        assert made.json() == {"id": "obj_1", "status": "succeeded", "amount": 1}
+        assert made.json() == {"id": "ch_1", "status": "succeeded", "amount": 1}
         provider.lose_answers()
         with pytest.raises(httpx.RemoteProtocolError):
             client.post("/v1/charges", json={"amount": 2})
@@ -202,7 +222,7 @@ def test_served_provider_takes_json_keys_and_loses_answers() -> None:
         reused = client.post("/v1/charges", json={"amount": 9}, headers={"Idempotency-Key": "k"})
         assert reused.status_code == 400
         assert reused.json()["error"]["type"] == "idempotency_error"
-        second = {"id": "obj_2", "status": "succeeded", "amount": 2}
+        second = {"id": "ch_2", "status": "succeeded", "amount": 2}
         assert client.get("/v1/charges").json() == {"data": [made.json(), second]}
     assert [(r.operation, r.key, r.handling) for r in provider.requests] == [
         ("POST /v1/charges", "k", Handling.APPLIED),
@@ -361,9 +381,9 @@ def test_a_keyed_http_tool_retried_after_a_lost_answer_charges_once(
             return str(client.post("/v1/charges", json={"amount": amount}).json()["id"])
 
         with twiceshy.run("run-t"):
-            assert charge(4900) == "obj_1"
+            assert charge(4900) == "ch_1"
     effect = assert_took_effect_once(provider)
-    assert effect.answer["id"] == "obj_1"
+    assert effect.answer["id"] == "ch_1"
     assert len(assert_same_key(provider)) == 64
     assert len(provider.requests) == 2
     ledger.close()

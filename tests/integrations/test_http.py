@@ -149,7 +149,7 @@ def test_openai_sdk_retry_carries_the_same_header(provider: Served) -> None:
     posts = _posted_keys(state)
     assert len(posts[0]) == 64  # ours: the SDK itself sends no Idempotency-Key
     assert posts[0] == posts[1]
-    assert charge_id == "obj_1"
+    assert charge_id == "ch_1"
     assert_took_effect_once(state)
     assert_same_key(state)
 
@@ -307,7 +307,7 @@ def test_keyed_effect_at_http_error_after_the_request_is_retried_with_the_key(
         return answers[-1]
 
     with twiceshy.run("run-h10"):
-        assert charge(5) == "obj_1"
+        assert charge(5) == "ch_1"
     client.close()
     keys = _keys(state)
     assert len(keys) == 2

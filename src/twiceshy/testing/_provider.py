@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -12,8 +13,9 @@ from ._requests import Handling, ProviderRequest
 
 __all__ = ["FakeProvider"]
 
-_PREFIXES = {"charge": "ch", "send_mail": "msg"}
-"""The id prefix of each operation's answers; other operations' ids start with ``obj``."""
+_PREFIXES = {"charge": "ch", "charges": "ch", "send_mail": "msg", "messages": "msg"}
+"""The id prefix of each operation's answers, by name or by the last part of an HTTP path
+(``POST /v1/charges``); other operations' ids start with ``obj``."""
 
 ErrorFactory = Callable[[str], BaseException]
 """Makes the error to raise for one request, given its operation."""
@@ -25,6 +27,19 @@ def _times(times: int) -> int:
     if times < 0:
         raise ValueError(f"times= must be 0 or more, not {times}")
     return times
+
+
+def _prefix(operation: str) -> str:
+    found = _PREFIXES.get(operation)
+    return found or _PREFIXES.get(operation.rstrip("/").rsplit("/", 1)[-1], "obj")
+
+
+def _late(late: object) -> float | None:
+    if late is None:
+        return None
+    if isinstance(late, bool) or not isinstance(late, (int, float)) or not late >= 0:
+        raise ValueError(f"late= must be a number of seconds, 0 or more, or None, not {late!r}")
+    return float(late)
 
 
 def _key(key: object) -> str | None:
@@ -68,7 +83,7 @@ class FakeProvider:
         self._requests: list[ProviderRequest] = []
         self._by_key: dict[str, ProviderRequest] = {}
         self._effects = 0
-        self._lose: list[ErrorFactory] = []
+        self._lose: list[tuple[ErrorFactory, float | None]] = []
         self._fail: list[ErrorFactory] = []
 
     def __repr__(self) -> str:
@@ -143,21 +158,25 @@ class FakeProvider:
         """
         if not isinstance(operation, str) or not operation:
             raise TypeError(f"operation must be a non-empty str, not {operation!r}")
-        seen, error = self._handle(operation, dict(fields or {}), _key(idempotency_key))
+        seen, error, late = self._handle(operation, dict(fields or {}), _key(idempotency_key))
         if error is not None:
+            if late:
+                time.sleep(late)
             raise error
         return dict(seen.answer)
 
     def _handle(
         self, operation: str, fields: dict[str, Any], key: str | None
-    ) -> tuple[ProviderRequest, BaseException | None]:
+    ) -> tuple[ProviderRequest, BaseException | None, float | None]:
         # Take one request and record it: the one step behind request() and the HTTP face.
+        # Answers the request as recorded, the error for its caller, and how late a lost
+        # answer comes (None: never).
         with self._lock:
-            seen, error = self._decide(operation, fields, key)
+            seen, error, late = self._decide(operation, fields, key)
             self._requests.append(seen)
             if seen.took_effect and key is not None:
                 self._by_key.setdefault(key, seen)
-        return seen, error
+        return seen, error, late
 
     def _record(self, seen: ProviderRequest) -> None:
         with self._lock:
@@ -165,44 +184,54 @@ class FakeProvider:
 
     def _decide(
         self, operation: str, fields: dict[str, Any], key: str | None
-    ) -> tuple[ProviderRequest, BaseException | None]:
+    ) -> tuple[ProviderRequest, BaseException | None, float | None]:
         if self._fail:
             error = self._fail.pop(0)(operation)
             failed = ProviderRequest(operation, fields, key, Handling.FAILED, error=_text(error))
-            return failed, error
+            return failed, error, None
         first = self._by_key.get(key) if self.deduplicate and key is not None else None
         if first is not None and (first.operation, first.fields) != (operation, fields):
             error = IdempotencyKeyReused(operation, first.key or "")
             refused = ProviderRequest(operation, fields, key, Handling.REFUSED, error=_text(error))
-            return refused, error
+            return refused, error, None
         if first is not None:
             handling, answer = Handling.DEDUPLICATED, first.answer
         else:
             self._effects += 1
-            prefix = _PREFIXES.get(operation, "obj")
             handling = Handling.APPLIED
-            answer = {"id": f"{prefix}_{self._effects}", "status": "succeeded", **fields}
+            answer = {
+                "id": f"{_prefix(operation)}_{self._effects}",
+                "status": "succeeded",
+                **fields,
+            }
         if not self._lose:
-            return ProviderRequest(operation, fields, key, handling, answer), None
-        error = self._lose.pop(0)(operation)
+            return ProviderRequest(operation, fields, key, handling, answer), None, None
+        make, late = self._lose.pop(0)
+        error = make(operation)
         lost = ProviderRequest(operation, fields, key, handling, answer, True, _text(error))
-        return lost, error
+        return lost, error, late
 
     # Faults.
 
-    def lose_answers(self, times: int = 1, *, error: ErrorFactory = AnswerLost) -> None:
+    def lose_answers(
+        self, times: int = 1, *, error: ErrorFactory = AnswerLost, late: float | None = None
+    ) -> None:
         """Lose the answers of the next ``times`` requests, after they were handled.
 
         Each takes effect (or is deduplicated) as usual, and then the caller gets ``error``
         instead of the answer: :class:`AnswerLost`, a :class:`TimeoutError`, by default. Over
-        HTTP (:meth:`serve`) the connection is closed without an answer.
+        HTTP (:meth:`serve`) the connection is closed without an answer, or with ``late`` the
+        answer is sent that many seconds late: a client whose read timeout is shorter gets its
+        own timeout for a request that took effect, the incident of a slow provider.
 
         Args:
             times: how many requests lose their answer.
             error: makes the error to raise, given the request's operation.
+            late: seconds to hold each answer first (in the process, before ``error``).
         """
+        entry = (error, _late(late))
         with self._lock:
-            self._lose.extend([error] * _times(times))
+            self._lose.extend([entry] * _times(times))
 
     def fail_next(self, times: int = 1, *, error: ErrorFactory = ProviderDown) -> None:
         """Refuse the next ``times`` requests before they take effect.

@@ -7,7 +7,9 @@ tool is tested through the client it really uses, twiceshy's transports included
 from __future__ import annotations
 
 import json
+import socketserver
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,11 +67,14 @@ def _handler(provider: FakeProvider, header: str) -> type[BaseHTTPRequestHandler
 
         def _answer(self, status: int, body: Any) -> None:
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client stopped waiting (a late answer): nobody reads it
+                self.close_connection = True
 
         def do_GET(self) -> None:
             operation = f"GET {urllib.parse.urlsplit(self.path).path}"
@@ -82,8 +87,12 @@ def _handler(provider: FakeProvider, header: str) -> type[BaseHTTPRequestHandler
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             operation = f"{self.command} {urllib.parse.urlsplit(self.path).path}"
             fields = fields_of(self.headers.get("Content-Type"), body)
-            seen, error = provider._handle(operation, fields, self.headers.get(header))
-            if seen.answer_lost:  # it took effect; the answer never comes
+            seen, error, late = provider._handle(operation, fields, self.headers.get(header))
+            if seen.answer_lost and late is not None:  # it took effect; the answer comes late
+                time.sleep(late)
+                self._answer(200, seen.answer)
+                self.close_connection = True
+            elif seen.answer_lost:  # it took effect; the answer never comes
                 self.close_connection = True
             elif isinstance(error, IdempotencyKeyReused):
                 self._answer(400, {"error": {"type": "idempotency_error", "message": str(error)}})
@@ -97,10 +106,20 @@ def _handler(provider: FakeProvider, header: str) -> type[BaseHTTPRequestHandler
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    """The HTTP server, bound without the host name lookup ``HTTPServer`` makes (``getfqdn``:
+    a machine without DNS would wait on it for a loopback address)."""
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = "127.0.0.1"
+        self.server_port = self.socket.getsockname()[1]
+
+
 @contextmanager
 def serve(provider: FakeProvider, header: str) -> Iterator[str]:
     """Serve ``provider`` on a free port of 127.0.0.1 while the block runs; yields its URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(provider, header))
+    server = _Server(("127.0.0.1", 0), _handler(provider, header))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="twiceshy-fake-provider")
     thread.daemon = True
