@@ -1,8 +1,9 @@
 """The double charge that ``twiceshy demo`` re-enacts on this machine.
 
-A payment provider double listens on 127.0.0.1. It commits every charge at once but answers the
-first request of each act only after the client's read timeout has passed, so the agent sees a
-timeout for a charge that went through. Three acts run the same story:
+The testing kit's provider double (:class:`twiceshy.testing.FakeProvider`) listens on
+127.0.0.1. It commits every charge at once but answers the first request of each act only after
+the client's read timeout has passed, so the agent sees a timeout for a charge that went
+through. Three acts run the same story:
 
 1. a plain retry loop: the retry charges the customer a second time. That double charge is the
    failure twiceshy exists for, and the report paints it red;
@@ -20,19 +21,14 @@ from __future__ import annotations
 
 import json
 import secrets
-import socketserver
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Final
-from urllib.parse import parse_qs, urlencode, urlsplit
+from typing import Final
 
 from rich import box
 from rich.console import Console
@@ -41,6 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 import twiceshy
+from twiceshy.testing import FakeProvider
 
 from .._redaction import redacted
 
@@ -62,131 +59,30 @@ class ProviderError(Exception):
     """The provider refused the request: it certainly made no charge."""
 
 
-# -- the payment provider double ------------------------------------------------------------------
-
-
-class _Provider:
-    """The provider's books: charges, idempotency keys seen, and POSTs counted per customer."""
-
-    def __init__(self, *, late: float) -> None:
-        self._lock = threading.Lock()
-        self._late = late
-        self._charges: dict[str, list[str]] = {}
-        self._keys: dict[str, tuple[bytes, dict[str, Any]]] = {}
-        self._requests: Counter[str] = Counter()
-
-    def create(self, body: bytes, key: str | None) -> tuple[int, dict[str, Any], float]:
-        """Handle ``POST /v1/charges``: the status, the answer and how long to hold it back."""
-        try:
-            fields = json.loads(body)
-            amount, customer = int(fields["amount"]), str(fields["customer"])
-        except (ValueError, KeyError, TypeError):
-            return 400, {"error": "expected a JSON body with amount and customer"}, 0.0
-        with self._lock:
-            first = self._requests[customer] == 0
-            self._requests[customer] += 1
-            if key is not None and key in self._keys:
-                seen, charge = self._keys[key]
-                if seen != body:
-                    return 400, {"error": "idempotency key reused with another body"}, 0.0
-                return 200, charge, 0.0
-            charge = {"id": f"ch_{secrets.token_hex(4)}", "amount": amount, "customer": customer}
-            self._charges.setdefault(customer, []).append(charge["id"])
-            if key is not None:
-                self._keys[key] = (body, charge)
-        # The charge is committed; only the answer is late.
-        return 200, charge, self._late if first else 0.0
-
-    def listing(self, customer: str) -> dict[str, Any]:
-        """Handle ``GET /v1/charges?customer=``: the customer's charges and POSTs."""
-        with self._lock:
-            return {
-                "data": list(self._charges.get(customer, [])),
-                "requests": self._requests[customer],
-            }
-
-
-class _Server(ThreadingHTTPServer):
-    """The provider's HTTP server; closing it waits for every request still being answered."""
-
-    daemon_threads = False
-    block_on_close = True
-
-    def __init__(self, provider: _Provider) -> None:
-        self.provider = provider
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind looks the host name up (getfqdn); a local demo needs no DNS.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name = "127.0.0.1"
-        self.server_port = self.socket.getsockname()[1]
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def do_POST(self) -> None:
-        if urlsplit(self.path).path != "/v1/charges":
-            self._answer(404, {"error": "not found"})
-            return
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        status, answer, delay = self.server.provider.create(
-            body, self.headers.get("Idempotency-Key")
-        )
-        if delay:
-            time.sleep(delay)
-        self._answer(status, answer)
-
-    def do_GET(self) -> None:
-        parts = urlsplit(self.path)
-        customer = parse_qs(parts.query).get("customer", [""])[0]
-        if parts.path != "/v1/charges" or not customer:
-            self._answer(404, {"error": "not found"})
-            return
-        self._answer(200, self.server.provider.listing(customer))
-
-    def _answer(self, status: int, answer: dict[str, Any]) -> None:
-        data = json.dumps(answer).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            # The client gave up waiting: the incident being re-enacted.
-            self.close_connection = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Keep the demo's output clean."""
+# -- the payment provider ------------------------------------------------------------------------
 
 
 @contextmanager
 def _provider_running() -> Iterator[_Client]:
-    """Serve a fresh provider in a thread; shut it down and join it afterwards."""
-    server = _Server(_Provider(late=CLIENT_TIMEOUT + LATE_BY))
-    thread = threading.Thread(
-        target=server.serve_forever,
-        kwargs={"poll_interval": 0.05},
-        name="twiceshy-demo-provider",
-    )
-    thread.start()
-    try:
-        yield _Client(f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    """The testing kit's provider double (deduplicating by key, as Stripe does), served on
+    loopback while the block runs."""
+    provider = FakeProvider(deduplicate=True)
+    with provider.serve() as base:
+        yield _Client(base, provider)
 
 
 class _Client:
     """The agent's HTTP client for the provider: ``urllib`` with a short read timeout."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, provider: FakeProvider) -> None:
         self._base = base_url
+        self._provider = provider
         # No proxies: the provider is on this machine, whatever the environment says.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def answer_late(self) -> None:
+        """The provider makes the next charge, but answers past the client's read timeout."""
+        self._provider.lose_answers(late=CLIENT_TIMEOUT + LATE_BY)
 
     def create_charge(self, amount: int, customer: str, *, key: str | None = None) -> str:
         """Create a charge; the id of the charge.
@@ -215,11 +111,14 @@ class _Client:
         return str(charge["id"])
 
     def books(self, customer: str) -> tuple[list[str], int]:
-        """The provider's charges for a customer, and how many POSTs it received."""
-        url = f"{self._base}/v1/charges?{urlencode({'customer': customer})}"
-        with self._opener.open(url, timeout=5.0) as response:
-            listing = json.load(response)
-        return [str(c) for c in listing["data"]], int(listing["requests"])
+        """The provider's charges for a customer, and how many charge requests it received."""
+        mine = [
+            seen
+            for seen in self._provider.requests
+            if seen.operation == "POST /v1/charges" and seen.fields.get("customer") == customer
+        ]
+        charges = [str(seen.answer["id"]) for seen in mine if seen.took_effect]
+        return charges, len(mine)
 
 
 # -- the results ----------------------------------------------------------------------------------
@@ -387,9 +286,13 @@ def _act(
     expected: int,
     again: bool = False,
 ) -> tuple[Act, list[BaseException]]:
-    """The agent calls the tool, retries once on an error (as frameworks do), maybe calls again."""
+    """The agent calls the tool, retries once on an error (as frameworks do), maybe calls again.
+
+    The act's first charge request is made at once and answered past the client's timeout.
+    """
     calls: list[Call] = []
     errors: list[BaseException] = []
+    client.answer_late()
     for _ in range(2):
         call, error = _call(tool, customer, client)
         calls.append(call)
