@@ -141,7 +141,7 @@ def test_the_pooler_carries_no_session_state_and_no_prepared_statements(
     url, schema = bouncer
     app = f"twiceshy-pooled-{secrets.token_hex(4)}"
     stores = [
-        PostgresStore(url, schema=schema, wakeups="poll", application_name=app, max_size=1)
+        PostgresStore(url, schema=schema, wakeups="poll", application_name=app, pool_size=1)
         for _ in range(12)
     ]
     failures: list[BaseException] = []
@@ -225,7 +225,7 @@ def test_more_callers_than_pooler_connections_run_each_intent_once(
     the server never sees more than 8 connections from the pooler."""
     url, schema = bouncer
     callers, rounds = 32, 3
-    target = ledger_url(url, schema, wakeups="poll", max_size="2")
+    target = ledger_url(url, schema, wakeups="poll", pool_size="2")
     twiceshy.Ledger(target).close()  # the table exists before the race
     runs: Counter[tuple[int, int]] = Counter()
     lock = threading.Lock()
@@ -306,7 +306,7 @@ def test_processes_racing_one_intent_through_the_pooler_run_it_once(
     one shared result (the losers learn it by re-reading)."""
     url, schema = bouncer
     processes, trials = 8, 4
-    target = ledger_url(url, schema, wakeups="poll", max_size="2")
+    target = ledger_url(url, schema, wakeups="poll", pool_size="2")
     twiceshy.Ledger(target).close()
     log = tmp_path / "effects.jsonl"
     barrier, out = CTX.Barrier(processes), CTX.Queue()

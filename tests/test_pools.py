@@ -183,16 +183,14 @@ def test_async_postgres_pool_timeout_fails_before_the_claim(pg_url: str) -> None
 
 @pytest.mark.postgres
 def test_postgres_pool_options_are_checked(pg_url: str) -> None:
-    """pool_size= and its older name max_size= are one setting; sizes and waits are checked."""
-    with pytest.raises(ValueError, match="pool_size"):
-        open_postgres(f"{pg_url}&pool_size=2&max_size=3")
+    """pool_size= and pool_timeout= are checked, and the size is the pool's."""
     with pytest.raises(ValueError, match="pool_size"):
         open_postgres(f"{pg_url}&pool_size=0")
     with pytest.raises(ValueError, match="pool_timeout"):
         open_postgres(f"{pg_url}&pool_timeout=0")
     with pytest.raises(ValueError, match="pool_timeout"):
         open_postgres(f"{pg_url}&pool_timeout=soon")
-    store, twin = open_postgres(f"{pg_url}&max_size=3")
+    store, twin = open_postgres(f"{pg_url}&pool_size=3")
     try:
         assert store._settings.max_size == twin._settings.max_size == 3
         assert store._settings.pool_timeout == 10.0

@@ -490,7 +490,7 @@ def test_processes_racing_one_intent_run_it_once(pg: tuple[str, str], tmp_path: 
     PostgresStore(url, schema=schema).close()  # the table exists before the clock starts
     log = tmp_path / "effects.jsonl"
     barrier, out = CTX.Barrier(PROCESSES), CTX.Queue()
-    args = (ledger_url(url, schema, max_size="2"), log, barrier, out, TRIALS)
+    args = (ledger_url(url, schema, pool_size="2"), log, barrier, out, TRIALS)
     procs = [CTX.Process(target=_racer, args=args) for _ in range(PROCESSES)]
     try:
         for proc in procs:

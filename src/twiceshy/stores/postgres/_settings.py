@@ -158,17 +158,13 @@ class Configured:
         wait_recheck: float = 1.0,
         wakeups: str = "auto",
         create: bool = True,
-        max_size: int | None = None,
     ) -> None:
-        if pool_size is not None and max_size is not None:
-            raise ValueError("pool_size= and max_size= are one setting: give pool_size= alone")
-        size = pool_size if pool_size is not None else max_size
         self._settings = Settings.make(
             url,
             schema=schema,
             table=table,
             min_size=min_size,
-            max_size=POOL_SIZE if size is None else size,
+            max_size=POOL_SIZE if pool_size is None else pool_size,
             connect_timeout=connect_timeout,
             pool_timeout=pool_timeout,
             application_name=application_name,

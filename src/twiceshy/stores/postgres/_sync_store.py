@@ -83,7 +83,6 @@ class PostgresStore(Configured):
             even behind a pooler, for one in session mode).
         create: create the schema and tables where there are none; ``False`` to open only a
             ledger that exists (a version 1 ledger is still migrated, as on every open).
-        max_size: the older name of ``pool_size``.
 
     Raises:
         StoreUnavailable: the server cannot be reached.

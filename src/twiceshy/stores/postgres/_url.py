@@ -14,7 +14,6 @@ _URL_OPTIONS: Final = {
     "table": str,
     "min_size": int,
     "pool_size": int,
-    "max_size": int,  # the older name of pool_size
     "pool_timeout": float,
     "connect_timeout": float,
     "application_name": str,
@@ -50,7 +49,7 @@ def open_postgres(url: str, *, create: bool = True) -> tuple[PostgresStore, Asyn
 
     Besides psycopg's own parameters the URL may carry ``schema``, ``table``, ``pool_size``,
     ``pool_timeout``, ``min_size``, ``connect_timeout``, ``application_name``,
-    ``wait_recheck`` and ``wakeups`` (``max_size`` is ``pool_size``'s older name), e.g.
+    ``wait_recheck`` and ``wakeups``, e.g.
     ``postgresql://app@db.internal/agents?schema=ledger&table=records&pool_size=20``, or through
     PgBouncer ``postgresql://app@pgbouncer:6432/agents?wakeups=poll``.
 
