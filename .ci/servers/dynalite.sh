@@ -4,9 +4,16 @@
 #
 #     .ci/servers/dynalite.sh start    install it (npm) if needed, start it, wait until it answers
 #     .ci/servers/dynalite.sh stop     stop the one this script started
+#     .ci/servers/dynalite.sh install  only install it (faults/campaign.py runs its own)
 #
 # Both are idempotent. The package is installed under /tmp (never in the work tree), so a clean
 # clone needs nothing but Node.js and npm; the server keeps nothing on disk.
+#
+# dynalite 4.0.0's own cli.js exits when a client resets its connection mid-request (its request
+# handler rethrows the ECONNRESET), which would end the server at a test's first killed client.
+# So it is not started with cli.js but with dynalite-server.js beside this script, which makes
+# the same server through dynalite's module API and closes a reset exchange instead of dying
+# (tests/test_dynalite_server.py resets connections and checks the server still answers).
 set -euo pipefail
 
 VERSION=4.0.0
@@ -15,7 +22,8 @@ PORT=4567
 HOME_DIR=${TWICESHY_DYNALITE_HOME:-/tmp/twiceshy-dynalite-$VERSION}
 PID_FILE=$HOME_DIR/dynalite.pid
 LOG_FILE=$HOME_DIR/dynalite.log
-CLI=$HOME_DIR/node_modules/dynalite/cli.js
+MODULE=$HOME_DIR/node_modules/dynalite
+LAUNCHER=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/dynalite-server.js
 
 answers() {  # a DynamoDB answer (any: it asks for a signature) from 127.0.0.1:4567
     node -e '
@@ -36,8 +44,17 @@ ours() {  # the pid in the pid file, if that process is still our dynalite
     local pid
     pid=$(cat "$PID_FILE")
     [[ -n $pid && -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$CLI" || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$LAUNCHER" || return 1
     echo "$pid"
+}
+
+install() {
+    if [[ ! -f $MODULE/index.js ]]; then
+        echo "dynalite: installing dynalite@$VERSION under $HOME_DIR"
+        mkdir -p "$HOME_DIR"
+        npm install --prefix "$HOME_DIR" --no-audit --no-fund --no-save --loglevel=error \
+            "dynalite@$VERSION" >/dev/null
+    fi
 }
 
 start() {
@@ -45,14 +62,9 @@ start() {
         echo "dynalite: already answering on $HOST:$PORT"
         return 0
     fi
-    if [[ ! -f $CLI ]]; then
-        echo "dynalite: installing dynalite@$VERSION under $HOME_DIR"
-        mkdir -p "$HOME_DIR"
-        npm install --prefix "$HOME_DIR" --no-audit --no-fund --no-save --loglevel=error \
-            "dynalite@$VERSION" >/dev/null
-    fi
+    install
     echo "dynalite: starting on $HOST:$PORT (in memory)"
-    nohup node "$CLI" --host "$HOST" --port "$PORT" >"$LOG_FILE" 2>&1 &
+    nohup node "$LAUNCHER" "$MODULE" "$HOST" "$PORT" >"$LOG_FILE" 2>&1 &
     echo $! >"$PID_FILE"
     for _ in $(seq 1 120); do  # up to 60 s
         if answers; then
@@ -90,8 +102,9 @@ stop() {
 case ${1:-} in
     start) start ;;
     stop) stop ;;
+    install) install ;;
     *)
-        echo "usage: $0 start|stop" >&2
+        echo "usage: $0 start|stop|install" >&2
         exit 2
         ;;
 esac
