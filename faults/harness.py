@@ -123,7 +123,7 @@ def _tools(ledger: twiceshy.Ledger, spec: dict[str, Any], points: _Points | None
                 twiceshy.point_of_no_return()
             if points:
                 points.reach("before-effect")
-            result = provider(log, intent, kind, key)
+            result = provider(log, intent, kind, key or "")
             if points:
                 points.reach("after-effect")
             return {**result, "pad": pad} if pad else result
@@ -234,6 +234,8 @@ class Tally:
     lost: int = 0
     hung: int = 0
     wrong: int = 0
+    unknowns: int = 0  # OutcomeUnknown answers the row allowed
+    allowance: str = ""  # why the row allows OutcomeUnknown ("": it does not)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -245,6 +247,8 @@ class Tally:
         self.lost += other.lost
         self.hung += other.hung
         self.wrong += other.wrong
+        self.unknowns += other.unknowns
+        self.allowance = self.allowance or other.allowance
         self.notes += other.notes[: max(0, 6 - len(self.notes))]
 
     @property
@@ -259,24 +263,27 @@ def verdict(
     fault_allows: frozenset[str] = frozenset(),
     releases: bool = False,
     hung_after: float = 30.0,
-    unknown_ok: bool = True,
+    unknown: str | None = None,
     trial: str = "",
 ) -> Tally:
     """Judge a trial by its events.
 
+    A duplicate is an intent the provider double took effect for more than once: for an UNSAFE
+    tool, two runs of its effect; for a KEYED one, two effects the provider executed (it dedups
+    by key, so a second effect means a second key reached it, or a call ran past its key).
+
     Args:
         log: the trial's events file.
         fault_allows: the error families a call may answer while the fault lasts (phase
-            "fault"), besides a result and, for UNSAFE tools, ``OutcomeUnknown``. After the
-            fault (phase "final") nothing else is allowed.
+            "fault"), besides a result. After the fault (phase "final") nothing else is allowed.
         releases: a reconciler may release an UNSAFE intent, so a second start is no lost
             claim by itself (a second effect still is a duplicate).
         hung_after: a call answered later than this many seconds counts as hung.
-        unknown_ok: whether ``OutcomeUnknown`` may answer an UNSAFE call (not in a race, where
-            no owner died).
+        unknown: why ``OutcomeUnknown`` may answer an UNSAFE call in this row (an owner died
+            or lost its outcome write); None: it may not, and each one counts as wrong.
         trial: named in the notes.
     """
-    tally = Tally()
+    tally = Tally(allowance=unknown or "")
     by_intent: dict[str, list[dict[str, Any]]] = {}
     for event in events(log):
         if "intent" in event:
@@ -284,10 +291,13 @@ def verdict(
     for intent, seen in by_intent.items():
         kind = intent.split("/")[-2]
         effects = [e for e in seen if e["ev"] == "effect"]
-        keys = {e["key"] for e in seen if e["ev"] == "req"}
-        if (kind == "UNSAFE" and len(effects) > 1) or (kind == "KEYED" and len(keys) > 1):
+        if len(effects) > 1:
+            keys = {e["effect_key"] for e in effects}
             tally.duplicates += 1
-            tally.notes.append(f"{trial} {intent}: {len(effects)} effects, {len(keys)} keys")
+            tally.notes.append(
+                f"{trial} {intent}: the provider took effect {len(effects)} times "
+                f"({len(keys)} key(s))"
+            )
         acknowledged: Any = None  # the first result a caller was given
         starts = 0
         for event in seen:
@@ -319,10 +329,47 @@ def verdict(
                 tally.lost += 1
                 tally.notes.append(f"{trial} {intent}: {answer[2]} after a result was given")
                 continue
-            if family == "OutcomeUnknown" and kind == "UNSAFE" and unknown_ok:
+            if family == "OutcomeUnknown" and kind == "UNSAFE" and unknown is not None:
+                tally.unknowns += 1
                 continue
             if event["phase"] == "fault" and family in fault_allows:
                 continue
             tally.wrong += 1
             tally.notes.append(f"{trial} {intent} ({event['phase']}): {answer[2]}: {answer[3]}")
     return tally
+
+
+def self_check(work: Path) -> list[str]:
+    """Feed :func:`verdict` trials it must fail, and say which it passed (none, or the checks
+    are blind): a KEYED intent the provider executed twice, an OutcomeUnknown in a row that
+    allows none, a result replayed differently, and an UNSAFE tool started again after its
+    claim was acknowledged."""
+    cases: dict[str, list[dict[str, Any]]] = {
+        "KEYED effect twice": [
+            {"ev": "effect", "intent": "s/KEYED/0", "effect_key": "k", "result": 1},
+            {"ev": "effect", "intent": "s/KEYED/0", "effect_key": "k", "result": 2},
+        ],
+        "OutcomeUnknown not allowed": [
+            {"ev": "answer", "intent": "s/UNSAFE/0", "phase": "final", "secs": 0.1,
+             "answer": ["err", "OutcomeUnknown", "OutcomeUnknown", ""]},
+        ],
+        "another result replayed": [
+            {"ev": "answer", "intent": "s/KEYED/0", "phase": "final", "secs": 0.1,
+             "answer": ["ok", 1]},
+            {"ev": "answer", "intent": "s/KEYED/0", "phase": "final", "secs": 0.1,
+             "answer": ["ok", 2]},
+        ],
+        "UNSAFE started twice": [
+            {"ev": "start", "intent": "s/UNSAFE/0", "key": "k", "pid": 1},
+            {"ev": "start", "intent": "s/UNSAFE/0", "key": "k", "pid": 2},
+        ],
+    }  # fmt: skip
+    blind: list[str] = []
+    for name, lines in cases.items():
+        log = work / f"self-check-{len(blind)}-{abs(hash(name))}.jsonl"
+        for line in lines:
+            append(str(log), **line)
+        if not verdict(log).failed:
+            blind.append(name)
+        log.unlink()
+    return blind
