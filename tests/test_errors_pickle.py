@@ -40,6 +40,9 @@ MADE: dict[str, Callable[[], BaseException]] = {
     "UnkeyableType": lambda: twiceshy.UnkeyableType("args.items[2]", "a Decimal has no form"),
     "UnkeyableValue": _unkeyable_value,
     "MissingScope": lambda: twiceshy.MissingScope("charge_card ran outside any twiceshy.run()"),
+    "EffectNotDeclared": lambda: twiceshy.EffectNotDeclared(
+        "the tool 'charge' has no effect class"
+    ),
     "KeyReuseMismatch": lambda: twiceshy.KeyReuseMismatch(
         f"the key {KEY} is in use by a running call of 'charge' with other arguments"
     ),

@@ -35,6 +35,7 @@ from ._scope import (
     was_replayed,
 )
 from .errors import (
+    EffectNotDeclared,
     EvictionPolicyRefused,
     FencedOut,
     InProgress,
@@ -90,6 +91,7 @@ __all__ = [
     "Change",
     "DidNotHappen",
     "Effect",
+    "EffectNotDeclared",
     "EvictionPolicyRefused",
     "FencedOut",
     "Guard",

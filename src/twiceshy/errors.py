@@ -8,6 +8,8 @@
     │   └── UnkeyableValue  (ValueError)   NaN, a naive datetime, a cycle, too deep, too large,
     │                                      colliding mapping keys, a tool name with ":"
     ├── MissingScope        (LookupError)  a protected call outside any ``twiceshy.run(...)``
+    ├── EffectNotDeclared   (LookupError, ValueError)  a tool given to an adapter with no
+    │                                      effect class and no ``default=``
     ├── KeyReuseMismatch    (ValueError)   a key already names other arguments
     ├── ResultNotStorable   (TypeError)    a tool's return annotation has no JSON form; or, on
     │                                      a retry, the first result could not be kept
@@ -28,10 +30,10 @@ run (they also subclass the framework's own error for that)::
 
     MissingScope
     └── ScopeNotFound             twiceshy.integrations.langchain (a LangGraph bubble-up signal)
-    TwiceshyError
-    ├── EffectNotDeclared         twiceshy.integrations.langchain, .pydantic_ai: a tool with no
-    │                             declared effect class and no default=
-    └── (an adapter's words for the model are these errors' texts, never new types)
+    EffectNotDeclared
+    └── EffectNotDeclared         twiceshy.integrations.langchain, .pydantic_ai, .strands: the
+                                  same refusal at call time, as the framework's own signal
+    (an adapter's words for the model are these errors' texts, never new types)
 
 ``twiceshy.integrations.mcp.ToolFailed`` is no twiceshy error: it stands for a tool's own
 ``isError`` answer inside the guard, read like any exception of the tool.
@@ -52,6 +54,7 @@ import datetime as _dt
 from typing import Any
 
 __all__ = [
+    "EffectNotDeclared",
     "EvictionPolicyRefused",
     "FencedOut",
     "InProgress",
@@ -118,6 +121,13 @@ class UnkeyableValue(UnkeyableArgument, ValueError):
 
 class MissingScope(TwiceshyError, LookupError):
     """A protected call was made outside any ``twiceshy.run(...)`` and without ``scope=``."""
+
+
+class EffectNotDeclared(TwiceshyError, LookupError, ValueError):
+    """A tool was given to an adapter with no effect class and no ``default=``; nothing runs.
+
+    There is no silent default: every tool names SAFE, KEYED or UNSAFE, or a ``twiceshy.Guard``.
+    """
 
 
 class KeyReuseMismatch(TwiceshyError, ValueError):

@@ -90,6 +90,7 @@ from ._calls import (
     with_schema_defaults,
 )
 from ._core import ReturnOf, entered_scope
+from ._declared import Declarations
 
 __all__ = ["SESSION_KEY", "ProtectedTools", "protect"]
 
@@ -174,17 +175,15 @@ def protect(
     Raises:
         TypeError: a tool is of no supported kind, an effect is of the wrong kind, or a recorded
             tool's handler or function is a generator.
-        ValueError: a tool has no effect class, ``effects`` names a tool that is not given, or
-            a tool name is not usable in keys.
+        EffectNotDeclared: a tool has no effect class (a ``ValueError``).
+        ValueError: ``effects`` names a tool that is not given, a guard is named for another
+            tool, or a tool name is not usable in keys.
         ResultNotStorable: a KEYED or UNSAFE runner tool's return annotation has no JSON form.
     """
     if not isinstance(ledger, Ledger):
         raise TypeError(f"ledger must be a twiceshy.Ledger, not {type(ledger).__name__}")
-    if default is not None and not isinstance(default, Effect):
-        raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
-    effects = dict(effects or {})
+    declarations = Declarations(effects, default)
     protected: list[Any] = []
-    named: set[str] = set()
     agent_tools: set[str] = set()
     for tool in tools:
         if not isinstance(tool, SdkMcpTool | BetaFunctionTool | BetaAsyncFunctionTool):
@@ -192,35 +191,7 @@ def protect(
                 "only Claude Agent SDK tools (@tool) and anthropic runner tools (@beta_tool, "
                 f"@beta_async_tool) can be protected, not {type(tool).__name__}"
             )
-        declared = effects.get(tool.name, default)
-        if declared is None:
-            raise ValueError(
-                f"the tool {tool.name!r} has no effect class: name it in effects= "
-                "(twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE) or give default="
-            )
-        if tool.name in effects:
-            named.add(tool.name)
-        if isinstance(declared, Guard):
-            if declared.name != tool.name:
-                raise ValueError(f"the guard for the tool {tool.name!r} is named {declared.name!r}")
-            guard = declared
-        elif isinstance(declared, Effect):
-            fn = tool.handler if isinstance(tool, SdkMcpTool) else tool.func
-            if declared is not Effect.SAFE:  # said before its return annotation is read
-                refuse_generator(fn, tool.name)
-            returns = (
-                ReturnOf(fn)
-                if declared is not Effect.SAFE and not isinstance(tool, SdkMcpTool)
-                else None
-            )
-            guard = ledger.guard(
-                tool.name, effect=declared, returns=returns, effect_at=effect_at_of(fn)
-            )
-        else:
-            raise TypeError(
-                f"the effect of {tool.name!r} must be twiceshy.SAFE, KEYED, UNSAFE or a "
-                f"twiceshy.Guard, not {type(declared).__name__}"
-            )
+        guard = declarations.guard(tool.name, functools.partial(_guard_for, ledger, tool))
         if guard.recorded:
             refuse_generator(tool.handler if isinstance(tool, SdkMcpTool) else tool.func, tool.name)
         guard = guard.with_stored_answers()
@@ -230,10 +201,24 @@ def protect(
         else:
             # A ToolError is the tool's own certain failure: recorded, and replayed.
             protected.append(_protect_runner_tool(tool, guard.with_errors(definite=(ToolError,))))
-    unknown = sorted(set(effects) - named)
-    if unknown:
-        raise ValueError(f"effects= names tools that are not given: {', '.join(unknown)}")
+    declarations.check_all_used()
     return ProtectedTools(protected, frozenset(agent_tools))
+
+
+def _guard_for(
+    ledger: Ledger,
+    tool: SdkMcpTool[Any] | BetaFunctionTool[Any] | BetaAsyncFunctionTool[Any],
+    effect: Effect,
+) -> Guard:
+    """The guard ``protect`` builds for a tool declared by its effect class alone: a runner
+    tool's results replay as its function's return annotation."""
+    fn = tool.handler if isinstance(tool, SdkMcpTool) else tool.func
+    if effect is not Effect.SAFE:  # said before its return annotation is read
+        refuse_generator(fn, tool.name)
+    returns = (
+        ReturnOf(fn) if effect is not Effect.SAFE and not isinstance(tool, SdkMcpTool) else None
+    )
+    return ledger.guard(tool.name, effect=effect, returns=returns, effect_at=effect_at_of(fn))
 
 
 def _scope(session: object = None) -> str | None:

@@ -85,6 +85,7 @@ from ._calls import (
     refuse_generator,
 )
 from ._core import ResultCodec, ReturnOf
+from ._declared import Declarations
 
 __all__ = ["protect", "protect_tool"]
 
@@ -130,46 +131,24 @@ def protect(
     Raises:
         TypeError: a tool is not a CrewAI ``BaseTool``, an effect is of the wrong kind, or a
             recorded tool's function is a generator.
-        ValueError: a tool has no effect class, ``effects`` names a tool that is not given, or
-            a tool name is not usable in keys.
+        EffectNotDeclared: a tool has no effect class (a ``ValueError``).
+        ValueError: ``effects`` names a tool that is not given, a guard is named for another
+            tool, or a tool name is not usable in keys.
         ResultNotStorable: a KEYED or UNSAFE tool's return annotation has no JSON form.
     """
     if not isinstance(ledger, Ledger):
         raise TypeError(f"ledger must be a twiceshy.Ledger, not {type(ledger).__name__}")
-    if default is not None and not isinstance(default, Effect):
-        raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
-    effects = dict(effects or {})
+    declarations = Declarations(effects, default)
     protected: list[BaseTool] = []
-    named: set[str] = set()
     for tool in tools:
         if not isinstance(tool, BaseTool):
             raise TypeError(
                 f"only CrewAI tools (a @tool function or a BaseTool) can be protected, not "
                 f"{type(tool).__name__}"
             )
-        declared = effects.get(tool.name, default)
-        if declared is None:
-            raise ValueError(
-                f"the tool {tool.name!r} has no effect class: name it in effects= "
-                "(twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE) or give default="
-            )
-        if tool.name in effects:
-            named.add(tool.name)
-        if isinstance(declared, Guard):
-            if declared.name != tool.name:
-                raise ValueError(f"the guard for the tool {tool.name!r} is named {declared.name!r}")
-            guard = declared
-        elif isinstance(declared, Effect):
-            guard = _guard_for(ledger, tool, declared)
-        else:
-            raise TypeError(
-                f"the effect of {tool.name!r} must be twiceshy.SAFE, KEYED, UNSAFE or a "
-                f"twiceshy.Guard, not {type(declared).__name__}"
-            )
+        guard = declarations.guard(tool.name, functools.partial(_guard_for, ledger, tool))
         protected.append(protect_tool(tool, guard))
-    unknown = sorted(set(effects) - named)
-    if unknown:
-        raise ValueError(f"effects= names tools that are not given: {', '.join(unknown)}")
+    declarations.check_all_used()
     return protected
 
 

@@ -75,6 +75,7 @@ from typing import Any, Final, TypeAlias, TypeVar, cast
 from .. import Effect, Guard, Ledger, MissingScope, current_scope
 from ._calls import ArgumentsDoNotFit, effect_at_of, for_the_model, received
 from ._core import ReturnOf, refuse_generator
+from ._declared import Declarations
 
 __all__ = [
     "TRIGGER_DELIVERY",
@@ -159,37 +160,18 @@ def protect(
     Raises:
         TypeError: a tool is neither a ``FunctionTool``, an ``AgentTool`` nor a function, an
             effect is of no known kind, or a recorded tool's function is a generator.
-        ValueError: a tool has no effect class, or ``effects`` names a tool not given.
+        EffectNotDeclared: a tool has no effect class (a ``ValueError``).
+        ValueError: ``effects`` names a tool not given, or a guard named for another tool.
     """
     if not isinstance(ledger, Ledger):
         raise TypeError(f"ledger must be a twiceshy.Ledger, not {type(ledger).__name__}")
-    if default is not None and not isinstance(default, Effect):
-        raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
-    effects = dict(effects or {})
+    declarations = Declarations(effects, default)
     protected: list[ToolUnion] = []
-    named: set[str] = set()
     for given in tools:
         tool = _as_tool(given)
-        declared = effects.get(tool.name, default)
-        if declared is None:
-            raise ValueError(
-                f"the tool {tool.name!r} has no effect class: name it in effects= "
-                "(twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE) or give default="
-            )
-        named.add(tool.name)
-        if isinstance(declared, Guard):
-            guard = declared
-        elif isinstance(declared, Effect):
-            guard = _guard_for(ledger, tool, declared)
-        else:
-            raise TypeError(
-                f"the effect of {tool.name!r} must be an effect class or a twiceshy.Guard, not "
-                f"{type(declared).__name__}"
-            )
+        guard = declarations.guard(tool.name, functools.partial(_guard_for, ledger, tool))
         protected.append(protect_tool(tool, guard, scope=scope))
-    unknown = sorted(set(effects) - named)
-    if unknown:
-        raise ValueError(f"effects= names tools that are not given: {', '.join(unknown)}")
+    declarations.check_all_used()
     return protected
 
 

@@ -106,6 +106,7 @@ from .. import (
     UnkeyableType,
     canonical_json,
     current_scope,
+    errors,
     inherited_scope,
 )
 from ._calls import (
@@ -144,8 +145,9 @@ class ScopeNotFound(MissingScope, GraphBubbleUp):
     """
 
 
-class EffectNotDeclared(TwiceshyError, LookupError, GraphBubbleUp):
-    """A tool without a declared effect class was called, and no ``default=`` was given.
+class EffectNotDeclared(errors.EffectNotDeclared, GraphBubbleUp):
+    """A tool without a declared effect class was called, and no ``default=`` was given:
+    :class:`twiceshy.EffectNotDeclared` as a LangGraph bubble-up signal.
 
     Like :class:`ScopeNotFound` it ends the run instead of reaching the model: there is no
     silent default effect.

@@ -68,6 +68,7 @@ import pydantic
 from .. import Effect, Guard, Ledger, MissingScope, current_scope
 from ._calls import ArgumentsDoNotFit, effect_at_of, for_the_model, received, refuse_generator
 from ._core import ReturnOf
+from ._declared import Declarations
 
 __all__ = ["ScopeFunction", "protect", "protect_tool", "run_scope"]
 
@@ -122,38 +123,20 @@ def protect(
     Raises:
         TypeError: a tool is not a ``FunctionTool`` or a function, an effect is of no known
             kind, or a recorded tool's function is a generator.
-        ValueError: a tool has no effect class, or ``effects`` names a tool not given.
+        EffectNotDeclared: a tool has no effect class (a ``ValueError``).
+        ValueError: ``effects`` names a tool not given, or a guard named for another tool.
     """
     if not isinstance(ledger, Ledger):
         raise TypeError(f"ledger must be a twiceshy.Ledger, not {type(ledger).__name__}")
-    if default is not None and not isinstance(default, Effect):
-        raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
-    effects = dict(effects or {})
+    declarations = Declarations(effects, default)
     protected: list[FunctionTool] = []
-    named: set[str] = set()
     for given in tools:
         tool = _as_function_tool(given)
-        name = tool.metadata.get_name()
-        declared = effects.get(name, default)
-        if declared is None:
-            raise ValueError(
-                f"the tool {name!r} has no effect class: name it in effects= (twiceshy.SAFE, "
-                "twiceshy.KEYED or twiceshy.UNSAFE) or give default="
-            )
-        named.add(name)
-        if isinstance(declared, Guard):
-            guard = declared
-        elif isinstance(declared, Effect):
-            guard = _guard_for(ledger, tool, declared)
-        else:
-            raise TypeError(
-                f"the effect of {name!r} must be an effect class or a twiceshy.Guard, not "
-                f"{type(declared).__name__}"
-            )
+        guard = declarations.guard(
+            tool.metadata.get_name(), functools.partial(_guard_for, ledger, tool)
+        )
         protected.append(protect_tool(tool, guard, scope=scope))
-    unknown = sorted(set(effects) - named)
-    if unknown:
-        raise ValueError(f"effects= names tools that are not given: {', '.join(unknown)}")
+    declarations.check_all_used()
     return protected
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -103,6 +104,7 @@ from ._calls import (
     with_schema_defaults,
 )
 from ._core import ResultCodec, entered_scope
+from ._declared import Declarations
 
 __all__ = ["ScopeSource", "protect", "protect_tool"]
 
@@ -350,41 +352,26 @@ def protect(
         TypeError: a tool is not a ``FunctionTool`` (hosted tools cannot be protected here), an
             effect is neither an effect class nor a guard, or a recorded tool's function is a
             generator.
-        ValueError: a tool has no effect class, or ``effects`` names a tool not in ``tools``.
+        EffectNotDeclared: a tool has no effect class (a ``ValueError``).
+        ValueError: ``effects`` names a tool not in ``tools``, or a guard named for another tool.
     """
-    effects = dict(effects or {})
-    if default is not None and not isinstance(default, Effect):
-        raise TypeError("default= must be twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE")
+    declarations = Declarations(effects, default)
     protected: list[Tool] = []
-    named: set[str] = set()
     for tool in tools:
         if not isinstance(tool, FunctionTool):
             raise TypeError(
                 f"only FunctionTool objects can be protected, not {type(tool).__name__}; "
                 "list hosted tools next to the protected ones"
             )
-        name = tool.qualified_name if tool.qualified_name in effects else tool.name
-        declared = effects.get(name, default)
-        if declared is None:
-            raise ValueError(
-                f"the tool {tool.qualified_name!r} has no effect class: name it in effects= "
-                "(twiceshy.SAFE, twiceshy.KEYED or twiceshy.UNSAFE) or give default="
-            )
-        if name in effects:
-            named.add(name)
-        if isinstance(declared, Guard):
-            guard = declared
-        elif isinstance(declared, Effect):
-            guard = _guard_for(ledger, tool, declared)
-        else:
-            raise TypeError(
-                f"the effect of {tool.qualified_name!r} must be an effect class or a "
-                f"twiceshy.Guard, not {type(declared).__name__}"
-            )
+        qualified = declarations.names(tool.qualified_name)
+        guard = declarations.guard(
+            tool.qualified_name if qualified else tool.name,
+            functools.partial(_guard_for, ledger, tool),
+            shown=tool.qualified_name,
+            guard_names=(tool.name, tool.qualified_name),
+        )
         protected.append(protect_tool(tool, guard, scope=scope))
-    unknown = sorted(set(effects) - named)
-    if unknown:
-        raise ValueError(f"effects= names tools that are not given: {', '.join(unknown)}")
+    declarations.check_all_used()
     return protected
 
 

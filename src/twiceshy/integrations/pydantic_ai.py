@@ -142,6 +142,7 @@ from twiceshy import (
     NotApplied,
     TwiceshyError,
     current_scope,
+    errors,
 )
 from twiceshy.integrations._calls import (
     ArgumentsDoNotFit,
@@ -171,8 +172,9 @@ ScopeFunction = Callable[[RunContext[AgentDepsT]], "str | None"]
 _NOT_RUN = (CallDeferred, ApprovalRequired, SkipToolExecution)
 
 
-class EffectNotDeclared(TwiceshyError, UserError):
-    """A tool without a declared effect class was called; it did not run.
+class EffectNotDeclared(errors.EffectNotDeclared, UserError):
+    """A tool without a declared effect class was called; it did not run:
+    :class:`twiceshy.EffectNotDeclared` as a Pydantic AI ``UserError``.
 
     Raised before the tool runs, when neither ``effects``, the tool's metadata nor ``default=``
     names its class: there is no silent default. A Pydantic AI ``UserError``: it ends the run.

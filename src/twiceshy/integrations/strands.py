@@ -77,7 +77,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
-from .. import Effect, Guard, Ledger, MissingScope, NotApplied, TwiceshyError, current_scope
+from .. import Effect, Guard, Ledger, MissingScope, NotApplied, current_scope
+from ..errors import EffectNotDeclared
 from ._calls import (
     ArgumentsDoNotFit,
     effect_at_of,
@@ -94,13 +95,6 @@ ScopeFunction: TypeAlias = Callable[[ExecuteToolContext], "str | None"]
 
 _SPECIAL = frozenset({"agent", "self", "cls"})
 """Parameters Strands fills in itself, besides the tool context."""
-
-
-class EffectNotDeclared(TwiceshyError, LookupError):
-    """A tool without a declared effect class was called, and no ``default=`` was given.
-
-    The tool did not run. Strands tells the model the call failed; declare the tool's class.
-    """
 
 
 class _NotRun(NotApplied):
