@@ -2,14 +2,13 @@
 against a Prefect server on loopback (a test kills some of them with SIGKILL).
 
 Settings come as JSON in ``TWICESHY_PREFECT_APP``, so that Prefect's own ``prefect flow-run retry
-ID --entrypoint prefect_app.py:order`` can load this file as the flow's code. ``python
-prefect_app.py`` in phase ``first`` runs the flow ``order`` of the settings' scenario (writing its
-flow run's id to ``flow_run.txt``); phase ``crashed`` marks that flow run crashed, as Prefect
-does for a run whose worker died; phase ``report`` prints how the flow run ended as one JSON
-line, its error read back from Prefect's result storage. Every command the ledger sends its
-store is written to ``io.jsonl`` with where it ran (in a task run or not), every charge the
-provider double got to ``provider.jsonl``, every subflow run's id to ``subflows.jsonl``, and
-twiceshy's warnings to ``twiceshy.log``.
+ID --entrypoint prefect_app.py:order`` can load this file as the flow's code (in phase
+``recover``). ``python prefect_app.py`` in phase ``first`` runs the flow ``order`` of the
+settings' scenario, writing its flow run's id to ``flow_run.txt``; the test itself marks a
+killed one's flow run crashed, and reads back from Prefect how it ended. Every command the
+ledger sends its store is written to ``io.jsonl`` with where it ran (in a task run or not),
+every charge the provider double got to ``provider.jsonl``, every subflow run's id to
+``subflows.jsonl``, and twiceshy's warnings to ``twiceshy.log``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -263,53 +261,13 @@ async def agent_order(amount: int, customer: str) -> str:
     return result.output
 
 
-# -- the phases the test drives ----------------------------------------------------------------
-
-
-async def crashed() -> None:
-    """Mark the flow run crashed, as Prefect does for a run whose worker died."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
-
-    flow_run_id = uuid.UUID((HERE / "flow_run.txt").read_text())
-    async with get_client() as client:
-        await client.set_flow_run_state(
-            flow_run_id, Crashed(message="the worker was killed"), force=True
-        )
-
-
-async def report() -> dict[str, Any]:
-    """How the flow run ended, its error read back from Prefect's result storage."""
-    from prefect.client.orchestration import get_client
-
-    flow_run_id = uuid.UUID((HERE / "flow_run.txt").read_text())
-    async with get_client() as client:
-        state = (await client.read_flow_run(flow_run_id)).state
-    assert state is not None
-    result = state.result(raise_on_failure=False)
-    if asyncio.iscoroutine(result):
-        result = await result
-    if isinstance(result, BaseException):
-        return {
-            "state": state.type.value,
-            "error": type(result).__name__,
-            "message": str(result),
-            "key": getattr(result, "key", None),
-        }
-    return {"state": state.type.value, "output": result}
-
-
 def main() -> None:
     if PHASE == "first":
         flows = {"children": order_children, "child-in-task": order_child_in_task}
         try:
             flows.get(SCENARIO, order)(4900, "cus_1")
-        except Exception as exc:  # the flow run's end is read back by phase "report"
+        except Exception as exc:  # the test reads back how the flow run ended
             print(f"the flow run failed: {exc!r}", file=sys.stderr)
-    elif PHASE == "crashed":
-        asyncio.run(crashed())
-    elif PHASE == "report":
-        print(json.dumps(asyncio.run(report())), flush=True)
     ledger.close()
 
 

@@ -1,11 +1,12 @@
 """twiceshy inside Prefect tasks, through real flow runs on a Prefect server on loopback.
 
 The module starts Prefect's local server (``prefect server start``, its SQLite database in a
-temporary Prefect home, analytics and telemetry off) and runs each scenario's ``prefect_app.py``
-in processes of its own: one runs the flow (and is killed with SIGKILL where the scenario says
-so); for a killed one, the flow run is marked crashed and retried with Prefect's own ``prefect
-flow-run retry``, which runs the same flow run again. Effects are counted by the provider double's
-file, and every command the ledger sent its store is logged with whether it ran in a task.
+temporary Prefect home, analytics and telemetry off) and runs each scenario's flow in a process of
+its own (``prefect_app.py``, killed with SIGKILL where the scenario says so); for a killed one,
+the flow run is marked crashed and retried with Prefect's own ``prefect flow-run retry``, which
+runs the same flow run again. How the flow run ended is read back from Prefect by the test's own
+process. Effects are counted by the provider double's file, and every command the ledger sent its
+store is logged with whether it ran in a task.
 """
 
 from __future__ import annotations
@@ -24,13 +25,21 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from docs_examples import run_example
-from prefect.states import Failed
+from prefect.client.orchestration import get_client
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_HOME,
+    PREFECT_LOGGING_TO_API_ENABLED,
+    temporary_settings,
+)
+from prefect.states import Crashed, Failed
 from provider_log import CHARGE, Provider
 
 import twiceshy
@@ -118,20 +127,60 @@ def launch(env: dict[str, str], settings: dict[str, Any], phase: str, *command: 
     return done.returncode
 
 
+def client_of(env: dict[str, str]) -> Any:
+    """This process's Prefect settings pointed at the module's server and its Prefect home (where
+    the flow runs' results are stored), for as long as the block lasts."""
+    return temporary_settings(
+        updates={
+            PREFECT_API_URL: env["PREFECT_API_URL"],
+            PREFECT_HOME: env["PREFECT_HOME"],
+            PREFECT_LOGGING_TO_API_ENABLED: False,
+        }
+    )
+
+
+async def mark_crashed(flow_run_id: uuid.UUID) -> None:
+    """Mark the flow run crashed, as Prefect does for a run whose worker died."""
+    async with get_client() as client:
+        await client.set_flow_run_state(
+            flow_run_id, Crashed(message="the worker was killed"), force=True
+        )
+
+
+async def read_back(flow_run_id: uuid.UUID) -> dict[str, Any]:
+    """How the flow run ended, its error read back from Prefect's result storage."""
+    async with get_client() as client:
+        state = (await client.read_flow_run(flow_run_id)).state
+    assert state is not None
+    result = state.result(raise_on_failure=False)
+    if asyncio.iscoroutine(result):
+        result = await result
+    if isinstance(result, BaseException):
+        return {
+            "state": state.type.value,
+            "error": type(result).__name__,
+            "message": str(result),
+            "key": getattr(result, "key", None),
+        }
+    return {"state": state.type.value, "output": result}
+
+
 def scenario(env: dict[str, str], tmp_path: Path, name: str, **more: Any) -> dict[str, Any]:
-    """Run a scenario's flow; when its worker was killed, retry the crashed flow run with
-    Prefect's own command. What the flow run ended with, read back from Prefect."""
+    """Run a scenario's flow in a process of its own; when that worker was killed, mark the flow
+    run crashed and retry it with Prefect's own command. What the flow run ended with, read back
+    from Prefect by this process (another than the flow's)."""
     settings = {"ledger": f"sqlite:///{tmp_path / 'ledger.db'}", "dir": str(tmp_path)}
     settings.update(scenario=name, **more)
-    if launch(env, settings, "first") == -signal.SIGKILL:
-        assert launch(env, settings, "crashed") == 0
-        flow_run = (tmp_path / "flow_run.txt").read_text()
+    killed = launch(env, settings, "first") == -signal.SIGKILL
+    flow_run = (tmp_path / "flow_run.txt").read_text()
+    if killed:
+        with client_of(env):
+            asyncio.run(mark_crashed(uuid.UUID(flow_run)))
         entrypoint = f"{APP}:order"
         retry = [str(PREFECT), "flow-run", "retry", flow_run, "--entrypoint", entrypoint]
         launch(env, settings, "recover", *retry)
-    assert launch(env, settings, "report") == 0
-    ended: dict[str, Any] = json.loads((tmp_path / "report.out").read_text().splitlines()[-1])
-    return ended
+    with client_of(env):
+        return asyncio.run(read_back(uuid.UUID(flow_run)))
 
 
 def io(tmp_path: Path, phase: str | None = None) -> list[dict[str, Any]]:
