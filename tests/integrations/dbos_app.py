@@ -3,7 +3,8 @@ is one per process, and a test kills some of them with SIGKILL).
 
 ``python dbos_app.py SETTINGS_JSON`` launches DBOS on the settings' system database, then, in
 phase ``first``, starts the workflow ``wf-1`` of the settings' scenario and waits for it; in
-phase ``recover`` it lets DBOS recover that workflow and waits for it. Either way it prints what
+phase ``recover`` (started beside the first, it goes on once the file ``recover.go`` says that the
+first worker died) it lets DBOS recover that workflow and waits for it. Either way it prints what
 the workflow ended with, as one JSON line (scenario ``recover-in-lease`` starts three workflows,
 and prints what each ended with, by its id). Every command the ledger sends its store is written
 to ``io.jsonl`` with where it ran (the workflow id, and DBOS's step id: ``null`` in workflow
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,20 @@ PHASE: str = SETTINGS["phase"]
 HERE = Path(SETTINGS["dir"])
 WORKFLOW_ID = "wf-1"
 provider = Provider(HERE / "provider.jsonl")
+
+
+def wait_for_the_first_to_die() -> None:
+    """Phase ``recover``: the test starts this process beside the first worker, so that it imports
+    meanwhile; it opens the ledger and launches DBOS only once the test has seen that worker die
+    (the file ``recover.go``), as a worker started after the crash would."""
+    if SCENARIO.startswith("agent"):
+        import pydantic_ai.durable_exec.dbos  # noqa: F401  (imported while waiting)
+    go = HERE / "recover.go"
+    deadline = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("the test did not say that the first worker died")
+        time.sleep(0.02)
 
 
 def note(name: str, **fields: Any) -> None:
@@ -78,6 +94,8 @@ class Seen:
         return seen
 
 
+if PHASE == "recover":
+    wait_for_the_first_to_die()
 store, async_store = open_store(SETTINGS["ledger"])
 ledger = twiceshy.Ledger(store=Seen(store), async_store=Seen(async_store))  # type: ignore[arg-type]
 
@@ -180,9 +198,10 @@ def order_children(amount: int, customer: str) -> str:
 
 # -- a recovery inside the dead worker's lease -------------------------------------------------
 
-# Longer than the 10 s a call waited by default, and than a worker takes to start: the recovery
-# meets the claims of the killed worker well inside their lease.
-LEASE_IN_RECOVERY = 15.0
+# Much longer than the recovering worker takes to launch DBOS once the first one died (it has
+# imported everything before): the recovery meets the killed worker's claims well inside their
+# lease, and a step's default wait (the lease and 5 s) outlasts it.
+LEASE_IN_RECOVERY = 6.0
 # Scenario ``recover-in-lease``: three workflows charge at once, and the worker dies once all
 # three have charged, each inside its step.
 charged_all = threading.Barrier(3, action=die)
@@ -284,10 +303,15 @@ def agent_order() -> Any:
 order_agent = agent_order() if SCENARIO.startswith("agent") else None
 
 
+# How often this process looks for a workflow's end or a notification in the system database:
+# a tenth of DBOS's default second, which a test would only wait out (DBOS's own advice for tests).
+POLL = 0.1
+
+
 def outcome(handle: Any) -> dict[str, Any]:
     """What the workflow ended with."""
     try:
-        return {"output": handle.get_result()}
+        return {"output": handle.get_result(polling_interval_sec=POLL)}
     except BaseException as exc:
         return {
             "error": type(exc).__name__,
@@ -302,6 +326,7 @@ def main() -> None:
         "system_database_url": SETTINGS["system_database"],
         "application_version": "1",
         "log_level": "WARNING",
+        "notification_listener_polling_interval_sec": POLL,
     }
     if SETTINGS.get("schema"):
         config["dbos_system_schema"] = SETTINGS["schema"]

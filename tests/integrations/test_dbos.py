@@ -60,28 +60,47 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str,
         servers.drop_schema(url, ledger_schema)
 
 
+def start(settings: dict[str, Any], phase: str) -> subprocess.Popen[str]:
+    """Start the app in one phase."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    command = [sys.executable, str(APP), json.dumps({**settings, "phase": phase})]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> tuple[int, dict[str, Any]]:
+    """Wait for the app to end; its exit status and what the workflow ended with."""
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    if process.returncode not in (0, -signal.SIGKILL):
+        pytest.fail(f"the DBOS app failed ({process.returncode}):\n{stderr[-4000:]}")
+    lines = stdout.strip().splitlines()
+    return process.returncode, (json.loads(lines[-1]) if process.returncode == 0 and lines else {})
+
+
 def launch(settings: dict[str, Any], phase: str) -> tuple[int, dict[str, Any]]:
     """Run the app in one phase; its exit status and what the workflow ended with."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
-    done = subprocess.run(
-        [sys.executable, str(APP), json.dumps({**settings, "phase": phase})],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
-    if done.returncode not in (0, -signal.SIGKILL):
-        pytest.fail(f"the DBOS app failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    lines = done.stdout.strip().splitlines()
-    return done.returncode, (json.loads(lines[-1]) if done.returncode == 0 and lines else {})
+    return finish(start(settings, phase))
 
 
 def crash_and_recover(settings: dict[str, Any]) -> dict[str, Any]:
-    """Start the workflow in a worker that is killed mid-way, then recover it in another."""
-    status, _ = launch(settings, "first")
-    assert status == -signal.SIGKILL, "the first worker was to be killed"
-    status, ended = launch(settings, "recover")
+    """Start the workflow in a worker that is killed mid-way, then recover it in another: started
+    beside the first so that it imports meanwhile, the other launches DBOS once the first died."""
+    recovering = start(settings, "recover")
+    try:
+        status, _ = launch(settings, "first")
+        assert status == -signal.SIGKILL, "the first worker was to be killed"
+        (Path(settings["dir"]) / "recover.go").write_text("the first worker died")
+        status, ended = finish(recovering)
+    finally:
+        if recovering.poll() is None:
+            recovering.kill()
+            recovering.communicate()
     assert status == 0
     return ended
 
@@ -222,7 +241,7 @@ def test_recovery_replays_checkpointed_steps_without_asking_the_ledger(
 
 def test_a_recovery_inside_the_dead_workers_lease_waits_it_out(engine: dict[str, Any]) -> None:
     """The worker dies mid-step and DBOS recovers its workflows at once, well inside the dead
-    claims' 15 s lease: by default a step waits the lease out, then a KEYED charge resumes with
+    claims' 6 s lease: by default a step waits the lease out, then a KEYED charge resumes with
     the same key (one effect) and an UNSAFE one answers OutcomeUnknown. A step whose own wait=
     is shorter answers InProgress, which promises no later call: DBOS does not run it again."""
     settings = {**engine, "scenario": "recover-in-lease"}
