@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -387,8 +386,8 @@ def test_a_session_killed_inside_its_tool_and_resumed(tmp_path: Path, effect: An
     crashed.start()
     crashed.join(150)
     assert crashed.exitcode == -signal.SIGKILL
-    time.sleep(0.6)  # the dead owner's lease lapses
-
+    # The dead owner's claim lapses 0.5 s after it was made; the resumed session's call waits
+    # for that (wait=5) where its process starts sooner.
     resumed = SPAWN.Process(target=_charging_session, args=(*args, False, out))
     resumed.start()
     try:
