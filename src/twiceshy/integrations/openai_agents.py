@@ -407,7 +407,7 @@ def protect_tool(tool: FunctionTool, guard: Guard, *, scope: ScopeSource = None)
             "scope= must be a context field name, a function of the ToolContext, or None"
         )
     # An invoker built by @function_tool answers failures itself, with the tool's
-    # failure_error_function ("... Please try again."). The inner copy has that answer turned
+    # failure_error_function ("An error occurred ..."). The inner copy has that answer turned
     # off, so the ledger sees the real exception; the outer copy keeps the tool's own policy for
     # the errors whose retry is safe. A hand-built invoker raises, and keeps raising.
     answers_failures = callable(getattr(tool.on_invoke_tool, "__agents_bind_function_tool__", None))
