@@ -132,11 +132,60 @@ class PostgresServer:
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "-t", "30", "stop")
 
 
-class RedisServer:
+class _Server:
+    """What the campaign's servers of one process share: a clean restart (the server's own
+    shutdown signal, :attr:`gentle`) and a kill -9, each started again ``down`` s later."""
+
+    gentle: int = signal.SIGTERM
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def _end(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def restart(self, down: float = 0.0) -> None:
+        """Shut down cleanly; ``down`` s later, start."""
+        self._end(self.gentle)
+        time.sleep(down)
+        self.start()
+
+    def kill(self, down: float = 0.0) -> None:
+        """SIGKILL; ``down`` s later, start."""
+        self._end(signal.SIGKILL)
+        time.sleep(down)
+        self.start()
+
+    def stop(self) -> None:
+        """Stop the server if it runs."""
+        self._end(signal.SIGKILL)
+
+
+class _ChildServer(_Server):
+    """A server that runs as this process's child (``proc``)."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def _end(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+class RedisServer(_ChildServer):
     """A ``redis-server`` of the campaign's own on a free port, with or without AOF.
 
     With AOF, ``appendfsync always``: an acknowledged write is on disk (``everysec`` loses up to
     a second of acknowledged outcomes to a kill on a slow disk, which is no fault of twiceshy's).
+    A restart is Redis's clean shutdown (SIGTERM, its AOF flushed); after a kill the AOF, if
+    any, is replayed.
     """
 
     def __init__(self, root: Path, *, appendonly: bool) -> None:
@@ -145,7 +194,7 @@ class RedisServer:
         self.dir.mkdir(parents=True)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
 
     def start(self) -> None:
         """Start the server and wait (up to 30 s) until it answers."""
@@ -165,34 +214,6 @@ class RedisServer:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"redis-server on port {self.port} did not answer within 30 s")
-
-    def _end(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def restart(self, down: float = 0.0) -> None:
-        """SIGTERM (Redis shuts down cleanly, flushing its AOF); ``down`` s later, start."""
-        self._end(signal.SIGTERM)
-        time.sleep(down)
-        self.start()
-
-    def kill(self, down: float = 0.0) -> None:
-        """SIGKILL; ``down`` s later, start (the AOF, if any, is replayed)."""
-        self._end(signal.SIGKILL)
-        time.sleep(down)
-        self.start()
-
-    def stop(self) -> None:
-        """Stop the server if it runs."""
-        self._end(signal.SIGKILL)
 
 
 def _ping(port: int) -> bool:
@@ -353,12 +374,15 @@ def _connects(port: int) -> bool:
         return False
 
 
-class PgBouncerServer:
+class PgBouncerServer(_Server):
     """A PgBouncer of the campaign's own in transaction mode, on a free port, in front of a
     PostgreSQL server of the campaign's own (:class:`PostgresServer`).
 
-    PgBouncer refuses to run as root: as root it runs as the ``postgres`` user (``-u``).
+    PgBouncer refuses to run as root: as root it runs as the ``postgres`` user (``-u``). A
+    restart is its safe shutdown (SIGINT: running transactions end first).
     """
+
+    gentle = signal.SIGINT
 
     def __init__(self, root: Path, postgres: PostgresServer) -> None:
         if shutil.which("pgbouncer") is None:
@@ -417,29 +441,12 @@ class PgBouncerServer:
                 os.kill(pid, signal.SIGKILL)
             _gone(pid, 10)
 
-    def restart(self, down: float = 0.0) -> None:
-        """SIGINT (PgBouncer's safe shutdown: running transactions end first); ``down`` s
-        later, start."""
-        self._end(signal.SIGINT)
-        time.sleep(down)
-        self.start()
-
-    def kill(self, down: float = 0.0) -> None:
-        """SIGKILL; ``down`` s later, start."""
-        self._end(signal.SIGKILL)
-        time.sleep(down)
-        self.start()
-
-    def stop(self) -> None:
-        """Stop PgBouncer if it runs."""
-        self._end(signal.SIGKILL)
-
 
 DYNALITE_VERSION = "4.0.0"
 CI_SERVERS = Path(__file__).resolve().parent.parent / ".ci" / "servers"
 
 
-class DynaliteServer:
+class DynaliteServer(_ChildServer):
     """dynalite (a DynamoDB-protocol server, in memory) on a free port, started by the launcher
     ``.ci/servers/dynalite-server.js``, which keeps it alive when a client resets a connection
     (dynalite's own cli.js exits then). The package is installed by ``.ci/servers/dynalite.sh
@@ -464,7 +471,7 @@ class DynaliteServer:
         self.dir.mkdir(parents=True)
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = None
 
     def start(self) -> None:
         """Start dynalite and wait (up to 30 s) until it accepts connections."""
@@ -481,37 +488,9 @@ class DynaliteServer:
             lambda: proc.poll() is None and _connects(self.port),
         )
 
-    def _end(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(sig)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
     def alive(self) -> bool:
         """Whether the server process still runs (a reset connection must not end it)."""
         return self.proc is not None and self.proc.poll() is None
-
-    def restart(self, down: float = 0.0) -> None:
-        """SIGTERM; ``down`` s later, start (empty: dynalite keeps its tables in memory)."""
-        self._end(signal.SIGTERM)
-        time.sleep(down)
-        self.start()
-
-    def kill(self, down: float = 0.0) -> None:
-        """SIGKILL; ``down`` s later, start (empty)."""
-        self._end(signal.SIGKILL)
-        time.sleep(down)
-        self.start()
-
-    def stop(self) -> None:
-        """Stop the server if it runs."""
-        self._end(signal.SIGKILL)
 
 
 class RedisCluster:
