@@ -397,50 +397,55 @@ def _is_primary(cluster: servers.RedisCluster, port: int) -> bool:
     return bool(cluster.command(port, "ROLE", timeout=1.0)[0] == b"master")
 
 
-def failover(store: Store, plan: Plan, rng: random.Random) -> Tally:
-    """A manual failover (``CLUSTER FAILOVER`` on a replica) while a process makes calls."""
+def _cluster_fault(
+    store: Store,
+    plan: Plan,
+    rng: random.Random,
+    name: str,
+    pause: float,
+    fault: Callable[[servers.RedisCluster, int, int], None],
+) -> Tally:
+    """``plan.failovers`` trials: a process makes ten calls while ``fault(cluster, primary,
+    replica)`` strikes a shard chosen at random; then a fresh process retries every intent."""
     total = Tally()
     cluster: servers.RedisCluster = store.server
     for _ in range(plan.failovers):
         cluster.wait_healthy()
-        _, replica = rng.choice(cluster.shards())
-        trial = Trial(store, "failover")
+        primary, replica = rng.choice(cluster.shards())
+        trial = Trial(store, name)
         calls = trial.calls(10)
-        child = Child(trial.spec("fault", calls, hold=True, pause=0.05))
+        child = Child(trial.spec("fault", calls, hold=True, pause=pause))
         child.expect("ready")
         child.go()
         time.sleep(rng.uniform(0, 0.3))
-        cluster.command(replica, "CLUSTER", "FAILOVER")
-        _until(f"replica {replica} promoted", partial(_is_primary, cluster, replica))
+        fault(cluster, primary, replica)
         hung: int = not child.finish()
         cluster.wait_healthy()
         trial.retry(calls)
         total.add(trial.judge(hung=hung, fault_allows=frozenset({STORE}), unknown=WRITE_LOST))
     return total
+
+
+def failover(store: Store, plan: Plan, rng: random.Random) -> Tally:
+    """A manual failover (``CLUSTER FAILOVER`` on a replica) while a process makes calls."""
+
+    def promote(cluster: servers.RedisCluster, _: int, replica: int) -> None:
+        cluster.command(replica, "CLUSTER", "FAILOVER")
+        _until(f"replica {replica} promoted", partial(_is_primary, cluster, replica))
+
+    return _cluster_fault(store, plan, rng, "failover", 0.05, promote)
 
 
 def primary_killed(store: Store, plan: Plan, rng: random.Random) -> Tally:
     """SIGKILL a primary while a process makes calls; up to 3 s later (its replica may have
     been promoted meanwhile: cluster-node-timeout is 1 s) start it again from its AOF."""
-    total = Tally()
-    cluster: servers.RedisCluster = store.server
-    for _ in range(plan.failovers):
-        cluster.wait_healthy()
-        primary, _ = rng.choice(cluster.shards())
-        trial = Trial(store, "primary-killed")
-        calls = trial.calls(10)
-        child = Child(trial.spec("fault", calls, hold=True, pause=0.1))
-        child.expect("ready")
-        child.go()
-        time.sleep(rng.uniform(0, 0.3))
+
+    def kill(cluster: servers.RedisCluster, primary: int, _: int) -> None:
         cluster.kill_node(primary)
         time.sleep(rng.uniform(0, 3.0))
         cluster.start_node(primary)
-        hung: int = not child.finish()
-        cluster.wait_healthy()
-        trial.retry(calls)
-        total.add(trial.judge(hung=hung, fault_allows=frozenset({STORE}), unknown=WRITE_LOST))
-    return total
+
+    return _cluster_fault(store, plan, rng, "primary-killed", 0.1, kill)
 
 
 def paused_primary(store: Store, plan: Plan, rng: random.Random) -> Tally:
