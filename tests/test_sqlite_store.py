@@ -1109,7 +1109,13 @@ def test_calls_while_the_ledger_is_deleted_never_meet_a_missing_table(
     assert len(outcomes) == processes * threads * calls
     failures = [outcome for outcome in outcomes if outcome[0] != "ok"]
     assert not [f for f in failures if "no such table" in f[1]]
-    assert [f for f in failures if f[0] != "StoreUnavailable" or "deleted" not in f[1]] == []
+    # In WAL mode SQLite can also report the log or its index deleted under a read as a plain
+    # "disk I/O error" (seen once in CI under load), which the store cannot tell from a failing
+    # disk: still StoreUnavailable, nothing run, only its words are less precise.
+    said = ("deleted", "disk I/O error") if journal_mode == "wal" else ("deleted",)
+    assert [
+        f for f in failures if f[0] != "StoreUnavailable" or not any(w in f[1] for w in said)
+    ] == []
     finals = [final for _, _, final in answers]
     assert sum(won for won, _ in finals) == 1
     (winner,) = {owner for _, owner in finals}
