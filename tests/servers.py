@@ -7,9 +7,12 @@ skipped with a message naming what is missing — unless ``TWICESHY_REQUIRE_SERV
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import secrets
 import socket
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -140,3 +143,13 @@ def delete_dynamodb_prefix(prefix: str, table: str = DYNAMODB_TABLE) -> None:
                 client.delete_item(TableName=table, Key={"pk": item["pk"]})
     except client.exceptions.ResourceNotFoundException:
         pass  # the test failed before any store made the table
+
+
+@contextlib.contextmanager
+def dynamodb_prefix() -> Iterator[str]:
+    """A key prefix of a test's own in the shared DynamoDB table (skips, or fails in CI,
+    without a server); its items are deleted afterwards."""
+    require("dynamodb")
+    name = f"twiceshy-test-{secrets.token_hex(6)}"
+    yield name
+    delete_dynamodb_prefix(name)

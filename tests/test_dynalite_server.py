@@ -5,7 +5,6 @@ that died at the first reset would take every later DynamoDB test with it.
 
 from __future__ import annotations
 
-import secrets
 import socket
 import struct
 import time
@@ -32,10 +31,8 @@ SENT = (HEAD[:40], HEAD + BODY[:3], HEAD + BODY)
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A key prefix of this test's own in the shared table; its items are deleted afterwards."""
-    servers.require("dynamodb")
-    name = f"twiceshy-test-{secrets.token_hex(6)}"
-    yield name
-    servers.delete_dynamodb_prefix(name)
+    with servers.dynamodb_prefix() as name:
+        yield name
 
 
 def reset_after(sent: bytes) -> None:

@@ -14,7 +14,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import secrets
 import select
 import signal
 import socket
@@ -43,10 +42,8 @@ CLAIMED = frozenset({State.CLAIMED})
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A key prefix of this test's own in the shared table; its items are deleted afterwards."""
-    servers.require("dynamodb")
-    name = f"twiceshy-test-{secrets.token_hex(6)}"
-    yield name
-    servers.delete_dynamodb_prefix(name)
+    with servers.dynamodb_prefix() as name:
+        yield name
 
 
 def effects(path: Path) -> list[dict[str, Any]]:
